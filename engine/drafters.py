@@ -1,0 +1,318 @@
+"""Drafters: propose a draft tree each round and keep their state aligned with the committed sequence.
+
+- `ModelDrafter`: an independent small dense HF model (llama / qwen2 / qwen3) with its own paged KV
+  cache, dtype, device and expert backend. Expands the tree depth by depth (one drafter forward per
+  depth with a tree mask), top-W children per frontier node, bounded frontier (EAGLE-2, 2406.16858).
+- `NGramDrafter`: prompt lookup (free): continuations of the longest earlier match of the suffix.
+
+Alignment: at the start of every drafting round the drafter has the K/V of every committed token
+(lazy catch-up: tokens committed in rounds that did not draft, e.g. K = 0, are fed in one chunk
+then); after verification the accepted nodes' K/V are copied from scratch to committed positions.
+
+Sampling modes (see engine.verify): `drafted` children are drawn i.i.d. from the processed drafter law
+q and every child of an expanded node is kept (filtering them by value would break the i.i.d.
+assumption of min(1, p/q) acceptance); deterministic children are the top-W of q and may be pruned.
+
+Shape letters: N=nodes V=vocab F=frontier W=width.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .batching import PackItem, chain_item, pack
+from .draft_tree import DraftTree, ancestor_mask, select_by_probability
+from .kv_cache import PagedKVCache
+from .model import Model
+from .sampling import SamplingParams, process_logits, sample_from_probs
+from .spec import SpecConfig
+
+MAX_TREE_NODES = 64
+
+
+class Drafter(Protocol):
+    def start(self, seq_id: int, tokens: list[int]) -> None: ...
+    def draft(
+        self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
+    ) -> DraftTree: ...
+    def commit(self, seq_id: int, tokens: list[int], tree: DraftTree, accepted: list[int]) -> None: ...
+    def finish(self, seq_id: int) -> None: ...
+
+
+def make_drafter(drafter: Any, target: Model, **options: Any) -> Drafter | None:
+    """None | "ngram" | dense `Model` | Drafter -> Drafter; checks the vocabulary matches the target."""
+    if drafter is None:
+        if options:
+            raise TypeError(f"unknown Engine options {sorted(options)}")
+        return None
+    if isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(f"unknown drafter {drafter!r}; use a Model, 'ngram' or None")
+        return NGramDrafter(target.vocab_size, **options)
+    if isinstance(drafter, Model):
+        if drafter.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}): "
+                "speculative decoding needs a shared tokenizer"
+            )
+        return ModelDrafter(drafter, **options)
+    if all(hasattr(drafter, m) for m in ("start", "draft", "commit", "finish")):
+        return drafter
+    raise TypeError(f"drafter must be None, 'ngram', an engine.Model or a Drafter, got {type(drafter).__name__}")
+
+
+def _node_budget(spec: SpecConfig) -> int:
+    return min(spec.max_verify or MAX_TREE_NODES, MAX_TREE_NODES)
+
+
+# ---------------------------------------------------------------------------------------- model drafter
+@dataclass
+class _DraftSeq:
+    slots: list[int] = field(default_factory=list)  # committed slots (grown on demand)
+    cached: int = 0  # committed positions with K/V in the drafter cache
+    fed_slots: dict[int, int] = field(default_factory=dict)  # tree node -> scratch slot (this round)
+
+
+class ModelDrafter:
+    """Independent dense drafter model with its own paged KV cache."""
+
+    def __init__(self, model: Model, block_size: int = 16, num_blocks: int = 256, backend: str = "auto") -> None:
+        self.model = model
+        model.set_backend(backend)
+        cfg = model.config
+        self.kv = PagedKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, model.dtype, model.device
+        )
+        self.seqs: dict[int, _DraftSeq] = {}
+
+    def start(self, seq_id: int, tokens: list[int]) -> None:
+        self.kv.add_sequence(seq_id)
+        self.seqs[seq_id] = _DraftSeq()
+
+    def finish(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            self.kv.release(seq_id)
+            del self.seqs[seq_id]
+
+    def _slots(self, seq_id: int, length: int) -> torch.Tensor:
+        self.kv.reserve(seq_id, length)
+        return self.kv.slots(seq_id, range(length))
+
+    @torch.inference_mode()
+    def _logits(self, items: list[PackItem]) -> torch.Tensor:
+        return self.model.forward_batch(pack(items, self.model.device), self.kv).logits.float()
+
+    def catch_up(self, seq_id: int, tokens: list[int]) -> torch.Tensor:
+        """Feed committed tokens not yet cached; return the logits [V] after the last one."""
+        seq = self.seqs[seq_id]
+        slots = self._slots(seq_id, len(tokens))
+        new = tokens[seq.cached :]
+        logits = self._logits([chain_item(new, slots[: seq.cached], slots[seq.cached : len(tokens)])])
+        seq.cached = len(tokens)
+        return logits[-1]
+
+    @torch.inference_mode()
+    def draft(
+        self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
+    ) -> DraftTree:
+        t0 = time.perf_counter()
+        seq = self.seqs[seq_id]
+        root_logits = self.catch_up(seq_id, tokens)
+        ctx_slots = self._slots(seq_id, len(tokens))  # committed incl. root
+        drafted = spec.use_drafted_children and not params.greedy
+        q_params = params if not params.greedy else SamplingParams(temperature=1.0)
+        budget = _node_budget(spec)
+        frontier_cap = spec.frontier or spec.width
+
+        tok = [tokens[-1]]
+        par = [-1]
+        dep = [0]
+        path = [1.0]
+        qrows: list[torch.Tensor | None] = [None]
+        confidence: list[float] = []
+        frontier = [0]
+        node_logits = {0: root_logits}
+        seq.fed_slots = {}
+        for d in range(1, spec.depth + 1):
+            cand: list[tuple[float, int, int, float]] = []  # (path prob, parent, token, cond prob)
+            for f in frontier:
+                q = process_logits(node_logits[f], q_params)  # [V]
+                qrows[f] = q
+                if drafted:
+                    kids = [sample_from_probs(q, generator) for _ in range(spec.width)]
+                else:
+                    kids = torch.topk(q, spec.width).indices.tolist()
+                for k in kids:
+                    cp = float(q[k])
+                    cand.append((path[f] * cp, f, k, cp))
+            if not drafted:
+                cand.sort(key=lambda c: -c[0])
+                cand = cand[:frontier_cap]
+            room = budget - (len(tok) - 1)
+            if room <= 0:
+                break
+            if drafted:
+                # keep whole sibling groups (i.i.d. children may not be filtered by value)
+                keep: list = []
+                for f in dict.fromkeys(c[1] for c in cand):
+                    group = [c for c in cand if c[1] == f]
+                    if len(keep) + len(group) > room:
+                        break
+                    keep.extend(group)
+                cand = keep
+            else:
+                cand = cand[:room]
+            if not cand:
+                break
+            confidence.append(max(c[3] for c in cand))
+            new_ids = []
+            for pp, f, k, _ in cand:
+                new_ids.append(len(tok))
+                tok.append(k)
+                par.append(f)
+                dep.append(d)
+                path.append(pp)
+                qrows.append(None)
+            if d == spec.depth:
+                break
+            # choose which new nodes to expand next (drafted mode: the most probable ones)
+            nxt = sorted(new_ids, key=lambda i: -path[i])[:frontier_cap] if drafted else new_ids
+            node_logits = self._expand(seq_id, ctx_slots, tok, par, dep, nxt)
+            frontier = nxt
+        tree = DraftTree(
+            tokens=torch.tensor(tok),
+            parents=torch.tensor(par),
+            depths=torch.tensor(dep),
+            path_prob=torch.tensor(path, dtype=torch.float32),
+            confidence=confidence,
+        )
+        if drafted:
+            V = self.model.vocab_size
+            tree.draft_probs = torch.stack([r if r is not None else torch.zeros(V) for r in qrows])
+        if spec.max_verify is not None and not drafted:
+            tree = tree.subtree(select_by_probability(tree, spec.max_verify))
+            seq.fed_slots = {}  # indices changed: nothing to reuse
+        tree.draft_seconds = time.perf_counter() - t0
+        return tree
+
+    def _expand(self, seq_id, ctx_slots, tok, par, dep, nodes: list[int]) -> dict[int, torch.Tensor]:
+        """Run the drafter on `nodes` (new frontier) -> their logits; ancestors are already cached."""
+        seq = self.seqs[seq_id]
+        write = self.kv.scratch_slots(seq_id, len(nodes))
+        for i, s in zip(nodes, write.tolist()):
+            seq.fed_slots[i] = s
+        # ancestors of each node (excluding the root, which is committed)
+        anc = ancestor_mask(torch.tensor(par))
+        tree_nodes = sorted(seq.fed_slots)  # every fed node this round
+        read = torch.cat([ctx_slots, torch.tensor([seq.fed_slots[i] for i in tree_nodes], dtype=torch.long)])
+        mask = torch.zeros(len(nodes), read.shape[0], dtype=torch.bool)
+        mask[:, : ctx_slots.shape[0]] = True
+        cols = torch.tensor(tree_nodes)
+        mask[:, ctx_slots.shape[0] :] = anc[torch.tensor(nodes)][:, cols]
+        item = PackItem(
+            tokens=torch.tensor([tok[i] for i in nodes]),
+            positions=torch.tensor([ctx_slots.shape[0] - 1 + dep[i] for i in nodes]),
+            write_slots=write,
+            read_slots=read,
+            mask=mask,
+        )
+        logits = self._logits([item])
+        return {i: logits[j] for j, i in enumerate(nodes)}
+
+    def commit(self, seq_id: int, tokens: list[int], tree: DraftTree, accepted: list[int]) -> None:
+        """Copy K/V of accepted (and fed) nodes to committed positions; release the scratch."""
+        seq = self.seqs[seq_id]
+        copied = 0
+        for i in accepted:
+            if i not in seq.fed_slots:
+                break
+            copied += 1
+        if copied:
+            dst = self._slots(seq_id, seq.cached + copied)[seq.cached : seq.cached + copied]
+            src = torch.tensor([seq.fed_slots[i] for i in accepted[:copied]], dtype=torch.long)
+            self.kv.copy_slots(src.to(self.kv.k.device), dst.to(self.kv.k.device))
+            seq.cached += copied
+        seq.fed_slots = {}
+        self.kv.release_scratch(seq_id)
+
+
+# ---------------------------------------------------------------------------------------- n-gram drafter
+class NGramDrafter:
+    """Prompt lookup: propose what followed earlier occurrences of the current suffix.
+
+    For n from `max_ngram` down to `min_ngram`, find earlier positions where the last n committed
+    tokens occurred; the continuations (most recent first, distinct first tokens become siblings)
+    form a tree of width <= W and depth <= K. No model, no KV; draft laws are point masses.
+    """
+
+    def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+
+    def start(self, seq_id: int, tokens: list[int]) -> None:
+        pass
+
+    def finish(self, seq_id: int) -> None:
+        pass
+
+    def commit(self, seq_id: int, tokens: list[int], tree: DraftTree, accepted: list[int]) -> None:
+        pass
+
+    def _continuations(self, tokens: list[int], depth: int, width: int) -> list[list[int]]:
+        T = len(tokens)
+        for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
+            suffix = tokens[T - n :]
+            found: list[list[int]] = []
+            firsts: set[int] = set()
+            for start in range(T - n - 1, -1, -1):  # most recent earlier match first
+                if tokens[start : start + n] == suffix:
+                    cont = tokens[start + n : start + n + depth]
+                    if cont and cont[0] not in firsts:
+                        firsts.add(cont[0])
+                        found.append(cont)
+                        if len(found) == width:
+                            break
+            if found:
+                return found
+        return []
+
+    def draft(
+        self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
+    ) -> DraftTree:
+        t0 = time.perf_counter()
+        conts = self._continuations(tokens, spec.depth, spec.width)
+        budget = _node_budget(spec)
+        tok, par, dep = [tokens[-1]], [-1], [0]
+        for cont in conts:
+            parent = 0
+            for d, t in enumerate(cont, start=1):
+                if len(tok) - 1 >= budget:
+                    break
+                tok.append(t)
+                par.append(parent)
+                dep.append(d)
+                parent = len(tok) - 1
+        n = len(tok)
+        tree = DraftTree(
+            tokens=torch.tensor(tok),
+            parents=torch.tensor(par),
+            depths=torch.tensor(dep),
+            path_prob=torch.ones(n),
+            confidence=[1.0] * (max(dep) if n > 1 else 0),
+        )
+        if spec.use_drafted_children and not params.greedy and n > 1:
+            # point-mass draft law at each node with children; a node has one child in a chain
+            q = torch.zeros(n, self.vocab_size)
+            for i in range(1, n):
+                q[par[i], tok[i]] = 1.0
+            multi = torch.bincount(torch.tensor(par[1:]), minlength=n) > 1
+            if bool(multi.any()):  # siblings are not i.i.d. draws: verify by target sampling instead
+                q = None
+            tree.draft_probs = q
+        tree.draft_seconds = time.perf_counter() - t0
+        return tree

@@ -1,0 +1,395 @@
+"""`Engine.generate`: batched target-only and exact speculative decoding over a paged KV cache.
+
+One round per active request per step:
+
+    draft   drafter proposes a tree (K = 0: the root alone)            -> DraftTree
+    verify  one target forward over every request's root + nodes       (tree mask, tree positions)
+    commit  walk the tree (engine.verify), copy the accepted path's K/V from scratch slots to the
+            committed positions, release the scratch, record RoundStats
+
+Cache invariant between rounds: the target cache holds K/V of every committed token except the
+last one (the next round's root). Each request owns a per-request `torch.Generator`; a round with
+no drafts draws exactly what plain decoding draws, and requests in one batch never share randomness.
+
+Shape letters: B=requests N=tree nodes S=key slots V=vocab L=MoE layers E=experts r=top-r.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .batching import chain_item, pack, tree_item
+from .draft_tree import DraftTree
+from .drafters import Drafter, make_drafter
+from .kv_cache import PagedKVCache
+from .model import Model
+from .sampling import SamplingParams, make_generator, process_logits, sample_from_probs
+from .spec import NO_SPEC, SpecConfig
+from .stats import GenerationResult, RoundStats
+from .timing import PhaseTimer
+from .verify import verify_tree
+
+Policy = Callable[[Any], Any]
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new: int
+    params: SamplingParams
+    generator: torch.Generator
+    slot_table: torch.Tensor  # [prompt + max_new] committed slots
+    tokens: list[int] = field(default_factory=list)  # prompt + committed
+    new_tokens: list[int] = field(default_factory=list)
+    rounds: list[RoundStats] = field(default_factory=list)
+    finish_reason: str | None = None
+    prev_pairs: torch.Tensor | None = None  # [L, E] bool experts of the previous round
+
+    @property
+    def cached_len(self) -> int:
+        """Positions whose K/V are in the target cache (all committed but the root)."""
+        return len(self.tokens) - 1
+
+
+class Engine:
+    """Exact MoE speculative-decoding engine over an `engine.Model` target.
+
+    drafter: None (target-only), a dense `engine.Model` with the target's vocabulary, "ngram", or any
+    object implementing `engine.drafters.Drafter`.
+    Options: block_size / num_blocks (paged KV; num_blocks None = sized per call), backend ("auto",
+    "torch", "triton") for the target's expert GEMM, instrument (routing footprint per round),
+    timing (per-phase wall clock), cost_model (callable RoutingRecord-like -> modelled seconds),
+    rank_loads (callable expert_ids [n, r] -> (imbalance_mean, imbalance_max, cross_node_ratio)).
+    """
+
+    def __init__(
+        self,
+        target: Model,
+        drafter: Model | str | Drafter | None = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        backend: str = "auto",
+        instrument: bool = True,
+        timing: bool = True,
+        cost_model: Callable[[list[torch.Tensor], int], float] | None = None,
+        rank_loads: Callable[[list[torch.Tensor]], tuple[float, float, float]] | None = None,
+        **drafter_options: Any,
+    ) -> None:
+        if not isinstance(target, Model):
+            raise TypeError(f"target must be an engine.Model (engine.load_model), got {type(target).__name__}")
+        self.target = target
+        target.set_backend(backend)
+        self.drafter: Drafter | None = make_drafter(drafter, target, **drafter_options)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.instrument = instrument
+        self.timing = timing
+        self.cost_model = cost_model
+        self.rank_loads = rank_loads
+        self.kv: PagedKVCache | None = None
+
+    # ------------------------------------------------------------------ validation
+    def _validate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | Sequence[SamplingParams],
+        spec: SpecConfig | None,
+        eos_token_id: int | None,
+    ) -> list[SamplingParams]:
+        V = self.target.vocab_size
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        limit = self.target.config.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple)) or len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise ValueError(f"prompt {i} must be a list of ints")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= V:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {V})")
+            if len(p) + max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
+                    f"context length {limit}"
+                )
+        if isinstance(sampling, SamplingParams):
+            params = [sampling] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts) or not all(isinstance(s, SamplingParams) for s in params):
+                raise ValueError(
+                    f"sampling must be one SamplingParams or a list with one per prompt "
+                    f"({len(prompts)}), got {len(params)} items"
+                )
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec must be an engine.SpecConfig or None, got {type(spec).__name__}")
+        if spec is not None and spec.depth > 0 and self.drafter is None:
+            raise ValueError("spec.depth > 0 needs a drafter: Engine(target, drafter=...)")
+        if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < V):
+            raise ValueError(f"eos_token_id must be None or an int in [0, {V}), got {eos_token_id!r}")
+        return params
+
+    def _spec_for(self, req: _Request, spec: SpecConfig | None, policy: Policy | None) -> SpecConfig:
+        if policy is None or self.drafter is None:
+            return spec or NO_SPEC
+        action = policy(self.observation(req))
+        return coerce_action(action)
+
+    # ------------------------------------------------------------------ public entry
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        spec: SpecConfig | None = None,
+        policy: Policy | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[GenerationResult]:
+        """Generate up to `max_new_tokens` for each prompt; see the module docstring."""
+        params = self._validate(prompts, max_new_tokens, sampling, spec, eos_token_id)
+        if policy is not None and not callable(policy):
+            raise TypeError("policy must be a callable obs -> action")
+        if policy is not None and self.drafter is None:
+            raise ValueError("a policy chooses speculation settings and needs a drafter")
+        kv = self._make_cache(prompts, max_new_tokens, spec)
+        reqs: list[_Request] = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            kv.add_sequence(i)
+            kv.reserve(i, len(p) + max_new_tokens)
+            reqs.append(
+                _Request(
+                    index=i,
+                    prompt=list(p),
+                    max_new=max_new_tokens,
+                    params=sp,
+                    generator=make_generator(sp.seed, i, self.target.device),
+                    slot_table=kv.slots(i, range(len(p) + max_new_tokens)).to(self.target.device),
+                    tokens=list(p),
+                )
+            )
+        try:
+            self._prefill(reqs, kv)
+            if self.drafter is not None:
+                for r in reqs:
+                    self.drafter.start(r.index, r.tokens)
+            active = list(reqs)
+            while active:
+                self._step(active, kv, spec, policy, eos_token_id)
+                for r in active:
+                    if r.finish_reason is not None:
+                        kv.release(r.index)
+                        if self.drafter is not None:
+                            self.drafter.finish(r.index)
+                active = [r for r in active if r.finish_reason is None]
+        finally:
+            for r in reqs:  # on error, nothing stays allocated
+                if r.index in kv.seqs:
+                    kv.release(r.index)
+                    if self.drafter is not None:
+                        self.drafter.finish(r.index)
+        return [
+            GenerationResult(
+                token_ids=r.new_tokens,
+                rounds=r.rounds,
+                finish_reason=r.finish_reason or "length",
+                prompt_len=len(r.prompt),
+            )
+            for r in reqs
+        ]
+
+    # ------------------------------------------------------------------ cache
+    def _make_cache(self, prompts, max_new_tokens: int, spec: SpecConfig | None) -> PagedKVCache:
+        bs = self.block_size
+        need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
+        scratch = len(prompts) * (-(-(64 + 1) // bs) + 1)  # draft trees are bounded (see drafters)
+        blocks = self.num_blocks or need + scratch
+        if blocks < need + len(prompts):
+            raise ValueError(f"num_blocks={blocks} cannot hold these requests ({need} blocks needed)")
+        cfg = self.target.config
+        kv = self.kv
+        if kv is None or kv.num_blocks < blocks or kv.block_size != bs or kv.k.dtype != self.target.dtype:
+            kv = PagedKVCache(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, bs, self.target.dtype, self.target.device
+            )
+            self.kv = kv
+        kv.check_quiescent()
+        return kv
+
+    # ------------------------------------------------------------------ forward helpers
+    def _prefill(self, reqs: list[_Request], kv: PagedKVCache) -> None:
+        """Cache every prompt token but the last (which is the first round's root)."""
+        items = []
+        for r in reqs:
+            n = len(r.prompt) - 1
+            if n > 0:
+                slots = r.slot_table[:n].cpu()
+                items.append(chain_item(r.prompt[:-1], slots[:0], slots))
+        if items:
+            self.target.forward_batch(pack(items, self.target.device), kv)
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, active: list[_Request], kv: PagedKVCache, spec, policy, eos_token_id) -> None:
+        timer = PhaseTimer() if self.timing else None
+        trees: list[DraftTree] = []
+        specs: list[SpecConfig] = []
+        for r in active:
+            s = self._spec_for(r, spec, policy)
+            remaining = r.max_new - len(r.new_tokens)
+            if s.depth > 0 and self.drafter is not None and remaining > 1:
+                s_eff = s if s.depth < remaining else _replace_depth(s, remaining - 1)
+                tree = self.drafter.draft(r.index, r.tokens, s_eff, r.params, r.generator)
+            else:
+                tree = DraftTree.root_only(r.tokens[-1])
+            specs.append(s)
+            trees.append(tree)
+        items = []
+        scratch: list[torch.Tensor] = []
+        for r, tree in zip(active, trees):
+            n = tree.num_nodes
+            ctx = r.slot_table[: r.cached_len + 1].cpu()
+            node_slots = kv.scratch_slots(r.index, n - 1) if n > 1 else torch.empty(0, dtype=torch.long)
+            scratch.append(node_slots)
+            items.append(tree_item(tree.tokens, tree.parents, tree.depths, ctx[:-1], torch.cat([ctx[-1:], node_slots])))
+        t0 = time.perf_counter()
+        out = self.target.forward_batch(
+            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer
+        )
+        forward_seconds = time.perf_counter() - t0
+        phase = timer.reset() if timer is not None else {}
+        off = 0
+        for r, tree, s, node_slots in zip(active, trees, specs, scratch):
+            n = tree.num_nodes
+            t1 = time.perf_counter()
+            logits = out.logits[off : off + n]
+            result = self._verify(r, tree, logits, s)
+            accepted = result.accepted_nodes
+            if accepted:
+                src = node_slots[torch.tensor(accepted) - 1]
+                L0 = r.cached_len + 1
+                kv.copy_slots(src.to(kv.k.device), r.slot_table[L0 : L0 + len(accepted)])
+            kv.release_scratch(r.index)
+            committed = self._commit(r, result.committed_tokens, eos_token_id)
+            if self.drafter is not None:
+                self.drafter.commit(r.index, r.tokens, tree, accepted)
+            book = time.perf_counter() - t1
+            stats = self._round_stats(r, tree, s, result, committed, out, off, n, phase, forward_seconds, book)
+            r.rounds.append(stats)
+            off += n
+
+    def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
+        if tree.num_nodes == 1:  # plain decode: the same draw as target-only sampling
+            from .verify import VerifyResult
+
+            if r.params.greedy:
+                tok = int(logits[0].argmax())
+            else:
+                tok = sample_from_probs(process_logits(logits[0], r.params), r.generator)
+            return VerifyResult(accepted_nodes=[], committed_tokens=[tok], bonus=True, rejection_depth=None)
+        target_probs = process_logits(logits, r.params)
+        draft_probs = tree.draft_probs if (s.use_drafted_children and not r.params.greedy) else None
+        return verify_tree(tree.tokens, tree.parents, target_probs, r.params, r.generator, draft_probs)
+
+    def _commit(self, r: _Request, tokens: list[int], eos_token_id: int | None) -> int:
+        room = r.max_new - len(r.new_tokens)
+        tokens = tokens[:room]
+        if eos_token_id is not None and eos_token_id in tokens:
+            tokens = tokens[: tokens.index(eos_token_id) + 1]
+            r.finish_reason = "eos"
+        r.tokens.extend(tokens)
+        r.new_tokens.extend(tokens)
+        if r.finish_reason is None and len(r.new_tokens) >= r.max_new:
+            r.finish_reason = "length"
+        return len(tokens)
+
+    # ------------------------------------------------------------------ stats
+    def _round_stats(self, r, tree, s, result, committed, out, off, n, phase, forward_seconds, book):
+        K = int(tree.max_depth)
+        acc = result.accepted_len
+        tried = len(result.children_tried) if n > 1 else 0
+        stats = RoundStats(
+            round_index=len(r.rounds),
+            depth=s.depth if n > 1 else 0,
+            width=s.width,
+            lam=float(s.lam),
+            verified_tokens=n,
+            proposed=n - 1,
+            accepted=acc,
+            committed=committed,
+            bonus=result.bonus and n > 1,
+            rejection_depth=result.rejection_depth,
+            attempted_by_depth=[1 if d <= tried else 0 for d in range(1, K + 1)],
+            accepted_by_depth=[1 if d <= acc else 0 for d in range(1, K + 1)],
+            draft_confidence=list(tree.confidence),
+        )
+        if self.instrument and out.routing is not None and out.routing.expert_ids:
+            ids = [e[off : off + n] for e in out.routing.expert_ids]  # L x [n, r]
+            E = self.target.config.num_experts
+            counts = torch.stack([torch.bincount(e.reshape(-1), minlength=E) for e in ids]).cpu()  # [L, E]
+            pairs = counts > 0
+            stats.tokens_per_expert = counts
+            stats.distinct_experts = pairs.sum(1).tolist()
+            total = sum(e.numel() for e in ids)
+            stats.reuse = 1.0 - sum(stats.distinct_experts) / max(total, 1)
+            if r.prev_pairs is not None:
+                stats.overlap_prev = float((pairs & r.prev_pairs).sum()) / max(int(pairs.sum()), 1)
+            r.prev_pairs = pairs
+            if self.rank_loads is not None:
+                mean_imb, max_imb, cross = self.rank_loads(ids)
+                stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = mean_imb, max_imb, cross
+            if self.cost_model is not None:
+                stats.modelled_seconds = float(self.cost_model(ids, r.cached_len))
+        stats.time = dict(phase)
+        stats.time["draft"] = tree.draft_seconds
+        stats.time["forward"] = forward_seconds
+        stats.time["sampling"] = book
+        stats.round_seconds = forward_seconds + tree.draft_seconds + book
+        return stats
+
+    # ------------------------------------------------------------------ policy interface
+    def observation(self, req: _Request) -> dict[str, Any]:
+        """What a policy sees before a round: the request's previous RoundStats and its position."""
+        return {
+            "rounds": req.rounds,
+            "last": req.rounds[-1] if req.rounds else None,
+            "position": len(req.new_tokens),
+            "max_new_tokens": req.max_new,
+        }
+
+
+def _replace_depth(s: SpecConfig, depth: int) -> SpecConfig:
+    from dataclasses import replace
+
+    return replace(s, depth=depth)
+
+
+def coerce_action(action: Any) -> SpecConfig:
+    """A policy's action -> SpecConfig: a SpecConfig, a mapping, or a (K, W, λ) sequence / array."""
+    if isinstance(action, SpecConfig):
+        return action
+    if isinstance(action, dict):
+        return SpecConfig(**action)
+    try:
+        seq = list(action.tolist() if hasattr(action, "tolist") else action)
+    except TypeError as err:
+        raise TypeError(f"policy returned {action!r}; expected SpecConfig, dict or (K, W, λ)") from err
+    if not 1 <= len(seq) <= 3:
+        raise ValueError(f"policy action must be (K,), (K, W) or (K, W, λ), got {seq!r}")
+    K = int(seq[0])
+    W = int(seq[1]) if len(seq) > 1 else 1
+    lam = float(seq[2]) if len(seq) > 2 else 0.0
+    if not math.isfinite(lam):
+        raise ValueError(f"policy returned a non-finite λ: {lam}")
+    return SpecConfig(depth=K, width=max(W, 1), lam=lam)

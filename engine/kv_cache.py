@@ -1,0 +1,133 @@
+"""Paged KV cache: fixed-size blocks, a free list, per-sequence block tables, scratch slots for trees.
+
+    storage  k[layer] : [num_blocks * block_size, Hkv, hd]      slot = block * block_size + offset
+    sequence          : block table [b0, b7, b3, ...]  -> position p lives in slot table[p // bs] * bs + p % bs
+
+    committed positions 0 .. n-1   (verified tokens only)
+    scratch blocks      per round  (draft-tree nodes; released when the round commits)
+
+A round writes its tree nodes into scratch slots, verifies, copies the accepted path's K/V to the
+committed positions and releases every scratch block, so at quiescence all blocks are free and no
+slot read by a later forward holds an unverified token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """No free block left: lower the batch size or max tokens, or raise num_blocks."""
+
+
+@dataclass
+class SequenceBlocks:
+    """Block table and committed length of one sequence."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # committed positions whose K/V are in the cache
+
+
+class PagedKVCache:
+    """K/V storage for every layer of one model plus a block allocator."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.seqs: dict[int, SequenceBlocks] = {}
+        self.scratch: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------------ allocation
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise KVCacheFull(f"KV cache needs {n} more blocks but only {len(self.free)} are free")
+        return [self.free.pop() for _ in range(n)]
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already has KV blocks")
+        self.seqs[seq_id] = SequenceBlocks()
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Make sure the block table covers positions 0 .. length-1."""
+        seq = self.seqs[seq_id]
+        need = -(-length // self.block_size) - len(seq.blocks)
+        if need > 0:
+            seq.blocks.extend(self._take(need))
+
+    def release(self, seq_id: int) -> None:
+        """Return every block of a finished sequence (and any scratch) to the free list."""
+        seq = self.seqs.pop(seq_id)
+        self.free.extend(reversed(seq.blocks))
+        self.release_scratch(seq_id)
+
+    def blocks_needed(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    # ------------------------------------------------------------------ slots
+    def slots(self, seq_id: int, positions: torch.Tensor | range | list[int]) -> torch.Tensor:
+        """Cache slots of committed positions of a sequence -> LongTensor [len(positions)]."""
+        seq = self.seqs[seq_id]
+        pos = torch.as_tensor(list(positions) if isinstance(positions, range) else positions, dtype=torch.long)
+        if pos.numel() and int(pos.max()) >= len(seq.blocks) * self.block_size:
+            raise IndexError(f"position {int(pos.max())} beyond the reserved blocks of sequence {seq_id}")
+        table = torch.tensor(seq.blocks, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def scratch_slots(self, seq_id: int, n: int) -> torch.Tensor:
+        """Allocate scratch blocks for n unverified tree nodes -> LongTensor [n] of slots."""
+        blocks = self._take(self.blocks_needed(n))
+        self.scratch.setdefault(seq_id, []).extend(blocks)
+        table = torch.tensor(blocks, dtype=torch.long)
+        idx = torch.arange(n)
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+
+    def release_scratch(self, seq_id: int) -> None:
+        blocks = self.scratch.pop(seq_id, [])
+        self.free.extend(reversed(blocks))
+
+    # ------------------------------------------------------------------ data
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots [N]; k, v [N, Hkv, hd]."""
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [B, S] -> k, v [B, S, Hkv, hd]."""
+        return self.k[layer][slots], self.v[layer][slots]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V of every layer from slots src [n] to slots dst [n] (accepted path -> committed)."""
+        if src.numel():
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+    def check_quiescent(self) -> None:
+        """Raise if any block is still held (the invariant at the end of `Engine.generate`)."""
+        if self.seqs or self.scratch or len(self.free) != self.num_blocks:
+            raise AssertionError(
+                f"KV leak: {self.num_blocks - len(self.free)} blocks held by {sorted(self.seqs)} "
+                f"and scratch {sorted(self.scratch)}"
+            )
+        if len(set(self.free)) != self.num_blocks:
+            raise AssertionError("KV free list holds a block twice")

@@ -1,0 +1,141 @@
+"""MoE block: router -> softmax -> top-r -> grouped expert GEMM over active experts -> combine.
+
+    x [T, D] --gate--> router_logits [T, E] --softmax(fp32)--> top-r (renormalise iff norm_topk_prob)
+             --kernels.fused_moe--> permute by expert, SiLU-gated GEMM per active expert, weighted unpermute
+             (+ sigmoid(shared_expert_gate(x)) * shared_expert(x) for qwen2_moe)
+
+Shape letters: T=tokens D=hidden E=experts r=top-r F=expert dim.
+Every call can append its routing to a `RoutingRecord` for the instrumentation (footprint, reuse,
+rank loads). An approximate expert budget (MoE-Spec, 2602.16052) keeps only the top-B experts by
+summed router probability over the verified tokens and re-picks each token's top-r inside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+from .timing import PhaseTimer, maybe_phase
+
+# hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r], topk_weights [T, r] -> [T, D]
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RoutingRecord:
+    """Routing of one forward pass, one entry per MoE layer (in layer order)."""
+
+    layers: list[int] = field(default_factory=list)
+    expert_ids: list[torch.Tensor] = field(default_factory=list)  # each [T, r] int64
+    topk_weights: list[torch.Tensor] = field(default_factory=list)  # each [T, r] float32
+    router_logits: list[torch.Tensor] = field(default_factory=list)  # each [T, E]; only if keep_logits
+    keep_logits: bool = False
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Stacked expert weights, the layout of HF transformers 5 and of `kernels.fused_moe`."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # [E, 2F, D]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # [E, D, F]
+
+
+class MoEBlock(nn.Module):
+    """Sparse MoE layer with optional shared expert (qwen2_moe)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_r: int,
+        moe_inter: int,
+        norm_topk_prob: bool,
+        shared_inter: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_r, self.norm_topk_prob = num_experts, top_r, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, moe_inter)
+        self.shared_expert = DenseMLP(hidden, shared_inter) if shared_inter > 0 else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter > 0 else None
+        self.backend = "auto"  # "auto" | "torch" | "triton"
+        self.expert_fn: ExpertFn | None = None  # set by expert parallelism / offload to replace local compute
+        self.expert_budget: int | None = None  # MoE-Spec approximate mode; None = exact
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> router_logits [T, E], topk_weights [T, r] (x.dtype), expert_ids [T, r] int64."""
+        router_logits = self.gate(x)
+        router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        if self.expert_budget is not None and self.expert_budget < self.num_experts:
+            # MoE-Spec: keep the B experts with most router mass over all verified tokens.
+            keep = router_probs.sum(0).topk(self.expert_budget).indices
+            masked = torch.zeros_like(router_probs)
+            masked[:, keep] = router_probs[:, keep]
+            router_probs = masked
+        topk_weights, expert_ids = torch.topk(router_probs, self.top_r, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return router_logits, topk_weights.to(x.dtype), expert_ids
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        record: RoutingRecord | None = None,
+        layer: int = -1,
+        timer: PhaseTimer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (out [T, D], router_logits [T, E])."""
+        with maybe_phase(timer, "router"):
+            router_logits, topk_weights, expert_ids = self.route(x)
+        with maybe_phase(timer, "experts"):
+            fn = self.expert_fn
+            if fn is None:
+                out = kernels.fused_moe(
+                    x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights, backend=self.backend
+                )
+            else:
+                out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
+        with maybe_phase(timer, "combine"):
+            if self.shared_expert is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if record is not None:
+            record.layers.append(layer)
+            record.expert_ids.append(expert_ids.detach())
+            record.topk_weights.append(topk_weights.detach().float())
+            if record.keep_logits:
+                record.router_logits.append(router_logits.detach())
+        return out, router_logits
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_r: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss (2101.03961) E * sum_e f_e * P_e, averaged over layers.
+
+    router_logits: one [T, E] per MoE layer. f_e = share of top-r assignments to e, P_e = mean router prob.
+    """
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        top = probs.topk(top_r, dim=-1).indices  # [T, r]
+        frac = F.one_hot(top, num_experts).float().sum(1).mean(0) / top_r  # [E]
+        losses.append(num_experts * (frac * probs.mean(0)).sum())
+    return torch.stack(losses).mean()

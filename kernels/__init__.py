@@ -1,0 +1,64 @@
+"""Triton kernels for the MoE verification path, each with a pure-torch reference twin.
+
+    from kernels import fused_moe
+    out = fused_moe(hidden, w_gate_up, w_down, expert_ids, topk_weights)   # [T, D]
+
+Dispatch happens here and only here: backend="auto" takes Triton for CUDA tensors and the torch
+reference for CPU tensors (and whenever autograd must flow, since the Triton path is forward-only);
+"torch" / "triton" force one. Triton on CPU tensors runs in the Triton interpreter and needs
+TRITON_INTERPRET=1 in the environment before triton is imported (the kernel tests do this).
+
+Note: `kernels.fused_moe` is the dispatching *function*; the Triton launcher and reference live in
+the module of the same name, reachable as `from kernels.fused_moe import fused_moe_ref, ...`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fused_moe import MoeBlockConfig, fused_moe_ref, get_config
+from kernels.fused_moe import fused_moe as fused_moe_triton
+from kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+
+__all__ = [
+    "MoeAlignment",
+    "MoeBlockConfig",
+    "fused_moe",
+    "fused_moe_ref",
+    "fused_moe_triton",
+    "get_config",
+    "moe_align",
+    "moe_align_ref",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """MoE expert compute. hidden [T, D], w_gate_up [E, 2F, D] (gate rows, then up rows),
+    w_down [E, D, F], expert_ids [T, r] (-1 = expert not local: contributes 0), topk_weights [T, r]
+    -> [T, D] in hidden's dtype:
+
+        out[t] = sum_s topk_weights[t, s] * w_down[e] @ (silu(w_gate_up[e, :F] @ h[t]) * (w_gate_up[e, F:] @ h[t]))
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    args = (hidden, w_gate_up, w_down, expert_ids, topk_weights)
+    if backend == "auto":
+        backend = "triton" if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights) else "torch"
+    if backend == "torch":
+        return fused_moe_ref(*args)
+    if _needs_grad(hidden, w_gate_up, w_down, topk_weights):
+        raise ValueError("backend='triton' is forward-only; use backend='torch' (or 'auto') to train")
+    return fused_moe_triton(*args)

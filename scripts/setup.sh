@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv and install expertspec with its test/benchmark extras.
+# On a machine without an NVIDIA GPU, pin the local CPU build of torch first so that
+# no multi-GB CUDA wheel is downloaded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+STAMP=.venv/.expertspec-installed
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
+  exit 0
+fi
+python -m pip install --quiet --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    python -m pip install --quiet "torch==2.13.0"
+  else
+    python -m pip install --quiet "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu --timeout 10 --retries 0 \
+      || python -m pip install --quiet "torch==2.13.0"
+  fi
+fi
+python -m pip install --quiet -e ".[test]"
+touch "$STAMP"
