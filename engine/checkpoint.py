@@ -201,6 +201,7 @@ def save_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         raw = dict(model.config.raw)
+        raw.setdefault("rope_parameters", {"rope_theta": model.config.rope_theta, "rope_type": "default"})
         if dtype is not None:
             raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))

@@ -69,6 +69,9 @@ def _get(cfg: dict, key: str, default: Any = ..., model_type: str = "?") -> Any:
     return default
 
 
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # transformers' family defaults when config.json is silent
+
+
 def _rope_theta(cfg: dict) -> float:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default")) if params else "default"
@@ -77,7 +80,7 @@ def _rope_theta(cfg: dict) -> float:
             f"rope type {rope_type!r} is not supported (only the default RoPE); rope parameters: {params}"
         )
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0)) if params else cfg.get("rope_theta")
-    return float(theta if theta is not None else 10000.0)
+    return float(theta if theta is not None else _DEFAULT_ROPE_THETA.get(cfg.get("model_type"), 10000.0))
 
 
 def _eos(cfg: dict) -> int | None:

@@ -165,6 +165,9 @@ class Engine:
         if policy is not None and self.drafter is None:
             raise ValueError("a policy chooses speculation settings and needs a drafter")
         kv = self._make_cache(prompts, max_new_tokens, spec)
+        # One shared SamplingParams: request i draws from seed + i. A list: each request's own seed as is,
+        # so a request's output never depends on its position in the batch.
+        shared = isinstance(sampling, SamplingParams)
         reqs: list[_Request] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             kv.add_sequence(i)
@@ -175,7 +178,7 @@ class Engine:
                     prompt=list(p),
                     max_new=max_new_tokens,
                     params=sp,
-                    generator=make_generator(sp.seed, i, self.target.device),
+                    generator=make_generator(sp.seed, i if shared else 0, self.target.device),
                     slot_table=kv.slots(i, range(len(p) + max_new_tokens)).to(self.target.device),
                     tokens=list(p),
                 )
