@@ -36,6 +36,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -104,10 +106,26 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Concatenated q/k/v weights for one matmul at inference (built once, frozen weights)."""
+        fused = self.__dict__.get("_qkv")
+        if fused is None or fused[0].device != self.q_proj.weight.device or fused[0].dtype != self.q_proj.weight.dtype:
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+            b = None
+            if self.q_proj.bias is not None:
+                b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+            fused = self.__dict__["_qkv"] = (w, b)
+        return fused
+
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., D] -> q [..., H, hd], k, v [..., Hkv, hd] with qk-norm and RoPE applied."""
         cfg = self.cfg
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if torch.is_grad_enabled():
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            w, b = self._fused_qkv()
+            nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, k, v = F.linear(x, w, b).split([nq, nk, nk], dim=-1)
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
@@ -271,6 +289,15 @@ class Model(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got {int(input_ids.max())}")
         return self.forward(input_ids.to(self.device)).float()
 
+    def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [max_position_embeddings, hd], computed once per dtype."""
+        table = self.__dict__.get("_rope")
+        if table is None or table[0].dtype != dtype or table[0].device != self.device:
+            cfg = self.config
+            pos = torch.arange(cfg.max_position_embeddings, device=self.device)
+            table = self.__dict__["_rope"] = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
+        return table
+
     # ------------------------------------------------------------------ cached forward
     def forward_batch(
         self,
@@ -285,7 +312,8 @@ class Model(nn.Module):
         record = RoutingRecord(keep_logits=keep_router_logits) if record_routing else None
         with maybe_phase(timer, "embed"):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]
-            cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, h.dtype)
+            cos_table, sin_table = self._rope_table(h.dtype)
+            cos, sin = cos_table[batch.positions], sin_table[batch.positions]
         for i, layer in enumerate(self.model.layers):
             with maybe_phase(timer, "attention"):
                 h = h + layer.self_attn.forward_cached(layer.input_layernorm(h), cos, sin, batch, kv, i)

@@ -82,9 +82,24 @@ class MoEBlock(nn.Module):
         self.expert_fn: ExpertFn | None = None  # set by expert parallelism / offload to replace local compute
         self.expert_budget: int | None = None  # MoE-Spec approximate mode; None = exact
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fused_input(self) -> torch.Tensor:
+        """[E + 2Fs + 1, D]: router, shared gate/up and shared-expert gate rows for one matmul."""
+        fused = self.__dict__.get("_fused")
+        w = self.gate.weight
+        if fused is None or fused.device != w.device or fused.dtype != w.dtype:
+            parts = [w]
+            if self.shared_expert is not None:
+                se = self.shared_expert
+                parts += [se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight]
+            fused = self.__dict__["_fused"] = torch.cat(parts).detach()
+        return fused
+
+    def route(
+        self, x: torch.Tensor, router_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> router_logits [T, E], topk_weights [T, r] (x.dtype), expert_ids [T, r] int64."""
-        router_logits = self.gate(x)
+        if router_logits is None:
+            router_logits = self.gate(x)
         router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         if self.expert_budget is not None and self.expert_budget < self.num_experts:
             # MoE-Spec: keep the B experts with most router mass over all verified tokens.
@@ -105,18 +120,31 @@ class MoEBlock(nn.Module):
         timer: PhaseTimer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (out [T, D], router_logits [T, E])."""
+        shared_in = None
         with maybe_phase(timer, "router"):
-            router_logits, topk_weights, expert_ids = self.route(x)
+            if torch.is_grad_enabled():
+                router_logits, topk_weights, expert_ids = self.route(x)
+            else:  # inference: router and shared-expert input projections in one matmul
+                proj = F.linear(x, self._fused_input())
+                E = self.num_experts
+                router_logits, shared_in = proj[:, :E], proj[:, E:]
+                router_logits, topk_weights, expert_ids = self.route(x, router_logits)
         with maybe_phase(timer, "experts"):
             fn = self.expert_fn
-            if fn is None:
+            if fn is None and x.shape[0] == 1 and not x.is_cuda and not torch.is_grad_enabled():
+                out = _single_token_experts(x, self.experts, expert_ids, topk_weights)
+            elif fn is None:
                 out = kernels.fused_moe(
                     x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights, backend=self.backend
                 )
             else:
                 out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
         with maybe_phase(timer, "combine"):
-            if self.shared_expert is not None:
+            if self.shared_expert is not None and shared_in is not None:
+                Fs = self.shared_expert.gate_proj.weight.shape[0]
+                act = F.silu(shared_in[:, :Fs]) * shared_in[:, Fs : 2 * Fs]
+                out = out + torch.sigmoid(shared_in[:, 2 * Fs :]) * self.shared_expert.down_proj(act)
+            elif self.shared_expert is not None:
                 out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if record is not None:
             record.layers.append(layer)
@@ -125,6 +153,23 @@ class MoEBlock(nn.Module):
             if record.keep_logits:
                 record.router_logits.append(router_logits.detach())
         return out, router_logits
+
+
+def _single_token_experts(
+    x: torch.Tensor, experts: Experts, expert_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Decode fast path on CPU (T = 1): the same math as `kernels.fused_moe_ref` without the
+    permutation bookkeeping, which dominates at one token. x [1, D] -> [1, D]."""
+    gu, down = experts.gate_up_proj, experts.down_proj
+    F_ = down.shape[-1]
+    out = None
+    for e, w in zip(expert_ids[0].tolist(), topk_weights[0].float().tolist()):
+        if e < 0:
+            continue
+        h = F.linear(x, gu[e])  # [1, 2F]
+        y = F.linear(F.silu(h[:, :F_]) * h[:, F_:], down[e]) * w
+        out = y if out is None else out + y
+    return x.new_zeros(x.shape) if out is None else out.to(x.dtype)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_r: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ information (layers 0→7 and 7→15) matches. Without the data, `DEFAULT_CALIBR
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -76,16 +77,23 @@ DEFAULT_CALIBRATIONS = {
         source="olmoe-1b-7b github (defaults)",
         depth_knots=(0.0, 7 / 15, 1.0),
         popularity_gini=(0.2909, 0.5835, 0.5894),
-        crosslayer_share=0.92,
+        crosslayer_share=0.9252,
         data_crosslayer_mi=(0.1168, 0.2016),
     ),
     "mixtral": RouterCalibration(
         source="mixtral-8x7b github (defaults)",
         depth_knots=(0.0, 0.5, 1.0),
         popularity_gini=(0.0551, 0.0672, 0.1035),
-        crosslayer_share=0.92,
+        crosslayer_share=0.9252,
     ),
 }
+
+
+def default_calibration(num_experts: int) -> RouterCalibration:
+    """Stored fit of the record whose expert count is nearest on a log scale: Mixtral (8) up to 22
+    experts, OLMoE (64) above. Skew does not transfer freely across expert counts: a Gini of 0.58 on 8
+    experts already makes consecutive top-2 sets overlap by ~0.58."""
+    return DEFAULT_CALIBRATIONS["mixtral" if num_experts <= 22 else "olmoe"]
 
 
 # ---------------------------------------------------------------------- statistics
@@ -106,7 +114,7 @@ def crosslayer_mutual_information(joint: torch.Tensor | np.ndarray) -> float:
     pa, pb = P.sum(1), P.sum(0)
     nz = P > 0
     mi = float((P[nz] * np.log(P[nz] / np.outer(pa, pb)[nz])).sum())
-    return mi - (nz.sum() - (pa > 0).sum() - (pb > 0).sum() + 1) / (2 * n)
+    return float(mi - (nz.sum() - (pa > 0).sum() - (pb > 0).sum() + 1) / (2 * n))
 
 
 def rank_aligned_joint(first: torch.Tensor, second: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -134,6 +142,7 @@ def _logits(sigma: float, num_experts: int) -> torch.Tensor:
     return (-sigma * torch.special.ndtri(q)).float()
 
 
+@functools.lru_cache(maxsize=256)
 def _solve_sigma(target_gini: float, num_experts: int, top_r: int, samples: int = 4000) -> float:
     """Spread whose Gumbel-top-r assignment counts have the target Gini (bisection, common noise)."""
     if top_r >= num_experts or target_gini <= 0:
@@ -144,32 +153,41 @@ def _solve_sigma(target_gini: float, num_experts: int, top_r: int, samples: int 
         ids = (_logits(sigma, num_experts) + noise).topk(top_r, -1).indices
         return gini(torch.bincount(ids.reshape(-1), minlength=num_experts))
 
-    lo, hi = 0.0, 8.0
-    for _ in range(30):
+    lo, hi = 0.0, 6.0
+    for _ in range(14):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if count_gini(mid) < target_gini else (lo, mid)
     return (lo + hi) / 2
 
 
-def _share_for_overlap(target: float | None, logits: torch.Tensor, top_r: int, samples: int = 2000) -> float:
+_SHARE_GRID = np.linspace(0.0, 1.0, 21)
+
+
+@functools.lru_cache(maxsize=256)
+def _overlap_curve(sigma: float, num_experts: int, top_r: int, samples: int = 1500) -> tuple[float, ...]:
+    """Mean top-r overlap of two cells sharing each latent coordinate with prob. s, for s in _SHARE_GRID."""
+    gen = torch.Generator().manual_seed(_MC_SEED)
+    logits = _logits(sigma, num_experts)
+    a, b = _gumbel((samples, num_experts), gen), _gumbel((samples, num_experts), gen)
+    u = torch.rand(samples, num_experts, generator=gen)
+    top_a = (logits + a).topk(top_r, -1).indices  # [S, r]
+    shares = torch.tensor(_SHARE_GRID, dtype=torch.float32)
+    c = torch.where(u[None] < shares[:, None, None], a[None], b[None])  # [grid, S, E]
+    top_c = (logits + c).topk(top_r, -1).indices  # [grid, S, r]
+    overlap = (top_c[..., :, None] == top_a[None, :, None, :]).any(-1).float().mean((1, 2))  # [grid]
+    return tuple(torch.cummax(overlap, 0).values.tolist())  # monotone up to Monte Carlo noise
+
+
+def _share_for_overlap(target: float | None, sigma: float, num_experts: int, top_r: int) -> float:
     """Coordinate-sharing probability s at which two cells' top-r sets overlap by `target` on average."""
     if target is None:
         return 0.0
     if not 0.0 < target <= 1.0:
         raise ValueError(f"overlap target must lie in (0, 1], got {target}")
-    gen = torch.Generator().manual_seed(_MC_SEED)
-    E = logits.numel()
-    shares = torch.linspace(0.0, 1.0, 41)
-    a, b = _gumbel((samples, E), gen), _gumbel((samples, E), gen)
-    u = torch.rand(samples, E, generator=gen)
-    top_a = (logits + a).topk(top_r, -1).indices  # [S, r]
-    c = torch.where(u[None] < shares[:, None, None], a[None], b[None])  # [41, S, E]
-    top_c = (logits + c).topk(top_r, -1).indices  # [41, S, r]
-    overlap = (top_c[..., :, None] == top_a[None, :, None, :]).any(-1).float().mean((1, 2))  # [41]
-    overlap = torch.cummax(overlap, 0).values.double().numpy()  # monotone up to Monte Carlo noise
+    overlap = _overlap_curve(round(sigma, 6), num_experts, top_r)
     if target <= overlap[0]:
-        return 0.0  # popularity alone already makes tokens overlap this much
-    return float(np.interp(target, overlap, shares.double().numpy()))
+        return 0.0  # popularity alone already makes cells overlap this much
+    return float(np.interp(target, overlap, _SHARE_GRID))
 
 
 # ---------------------------------------------------------------------- calibration
@@ -191,7 +209,7 @@ def _fit_share(pair_joint: np.ndarray, sigmas: tuple[float, float], num_experts:
     """Coordinate-sharing probability s between two layers whose rank-aligned MI equals the data's."""
     target = crosslayer_mutual_information(pair_joint)
     gen = torch.Generator().manual_seed(_MC_SEED)
-    samples = 20000
+    samples = 12000
     la, lb = _logits(sigmas[0], num_experts), _logits(sigmas[1], num_experts)  # rank-preserving follow map
     a, b = _gumbel((samples, num_experts), gen), _gumbel((samples, num_experts), gen)
     u = torch.rand(samples, num_experts, generator=gen)
@@ -202,7 +220,7 @@ def _fit_share(pair_joint: np.ndarray, sigmas: tuple[float, float], num_experts:
         return crosslayer_mutual_information(rank_aligned_joint(top_a, top_b, num_experts).numpy())
 
     lo, hi = 0.0, 1.0
-    for _ in range(20):
+    for _ in range(12):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mi(mid) < target else (lo, mid)
     return (lo + hi) / 2
@@ -224,14 +242,14 @@ def calibrate(path: str | Path | None = None, model: str = "olmoe") -> RouterCal
     knots = DEFAULT_CALIBRATIONS[model].depth_knots
     # cross-layer: per recorded pair, the sharing probability at its distance d; then one per-layer share
     o_key, oE, o_r = DATA_KEYS["olmoe"]
-    o_sigmas = [_solve_sigma(gini(_counts(m, oE)), oE, o_r) for m in data[o_key]]
+    o_sigmas = [_solve_sigma(round(gini(_counts(m, oE)), 4), oE, o_r) for m in data[o_key]]
     shares, mis = [], []
     for k, m in enumerate(data[CROSSLAYER_KEY]):
         joint = np.zeros((oE, oE))
         for pair, count in m.items():
             ea, eb = (int(x) for x in pair.split("-"))
             joint[ea, eb] = count
-        mis.append(round(crosslayer_mutual_information(joint), 4))
+        mis.append(round(float(crosslayer_mutual_information(joint)), 4))
         s = _fit_share(joint, (o_sigmas[k], o_sigmas[k + 1]), oE, o_r)
         shares.append((CROSSLAYER_PAIRS[k][1] - CROSSLAYER_PAIRS[k][0], max(s, 1e-6)))
     # least squares on log s_d = d·log ρ
@@ -264,7 +282,7 @@ class SyntheticRouter:
         if not 0 < top_r <= num_experts or num_layers < 1:
             raise ValueError(f"need 0 < top_r <= num_experts and num_layers >= 1, got {top_r}, {num_experts}, {num_layers}")
         self.num_experts, self.top_r, self.num_layers = num_experts, top_r, num_layers
-        self.calibration = cal = calibration or DEFAULT_CALIBRATIONS["olmoe"]
+        self.calibration = cal = calibration or default_calibration(num_experts)
         self.generator = torch.Generator().manual_seed(seed)
         E, L = num_experts, num_layers
         depth = np.linspace(0.0, 1.0, L) if L > 1 else np.zeros(1)
@@ -280,19 +298,27 @@ class SyntheticRouter:
         for l in range(1, L):
             self.follow[l, self.order[l]] = self.order[l - 1]
 
+        # overlap -> sharing is solved at the knots and midway between them, then interpolated in depth
+        points = np.unique(np.concatenate([cal.depth_knots, np.convolve(cal.depth_knots, [0.5, 0.5], "valid")]))
+        point_sigma = np.interp(points, cal.depth_knots, knot_sigma)
+
         def per_layer(target: float | None) -> torch.Tensor:
-            knots = [_share_for_overlap(target, _logits(s, E), top_r) for s in knot_sigma]
-            return torch.tensor(np.interp(depth, cal.depth_knots, knots), dtype=torch.float32)
+            shares = [_share_for_overlap(target, float(s), E, top_r) for s in point_sigma]
+            return torch.tensor(np.interp(depth, points, shares), dtype=torch.float32)
 
         self.temporal_share = per_layer(cal.temporal_overlap)  # [L] q_t
         parent_target = cal.tree_parent_overlap if cal.tree_parent_overlap is not None else cal.temporal_overlap
         self.parent_share = per_layer(parent_target)  # [L] q_p
         sibling = per_layer(cal.tree_sibling_overlap)  # [L] total sibling sharing wanted
         self.sibling_share = torch.minimum((sibling - self.parent_share**2).clamp_min(0).sqrt(), 1 - self.parent_share)
-        # temporal copying dilutes within-token sharing by F = P(both cells reach back equally far)
-        q = float(self.temporal_share.mean())
-        dilution = (1 - q) / (1 + q)
-        self.crosslayer_share = min(1.0, cal.crosslayer_share * dilution ** (-1 / CROSSLAYER_DISTANCE))
+        # Temporal copying dilutes within-token sharing: cells of layers a and b coincide only if both
+        # reach back to the same token, P = F(q_a, q_b) = (1-q_a)(1-q_b)/(1-q_a q_b). Spread -log F over the
+        # layers so that sharing at CROSSLAYER_DISTANCE stays crosslayer_share ** distance.
+        q = self.temporal_share.double()
+        phi = torch.log((1 + q) / (1 - q).clamp_min(1e-9))  # [L] -log F(q_l, q_l)
+        boost = torch.exp((phi[1:] + phi[:-1]) / (2 * CROSSLAYER_DISTANCE))  # [L-1]
+        self.crosslayer_share = torch.zeros(L)  # [L] q_x (layer 0 has no previous layer)
+        self.crosslayer_share[1:] = (cal.crosslayer_share * boost).clamp(max=1.0).float()
 
     @property
     def popularity(self) -> torch.Tensor:
@@ -300,28 +326,28 @@ class SyntheticRouter:
         return torch.softmax(self.logits, -1)
 
     def _within_token(self, n: int) -> torch.Tensor:
-        """Latent noise h [n, L, E] with cross-layer following."""
-        fresh = _gumbel((n, self.num_layers, self.num_experts), self.generator)
-        follow = torch.rand(n, self.num_layers, self.num_experts, generator=self.generator) < self.crosslayer_share
-        h = fresh.clone()
-        for l in range(1, self.num_layers):
-            h[:, l] = torch.where(follow[:, l], h[:, l - 1, self.follow[l]], fresh[:, l])
+        """Latent noise h [L, n, E] with cross-layer following."""
+        L, E = self.num_layers, self.num_experts
+        h = _gumbel((L, n, E), self.generator)
+        follow = torch.rand(L, n, E, generator=self.generator) < self.crosslayer_share[:, None, None]
+        for l in range(1, L):
+            h[l] = torch.where(follow[l], h[l - 1][:, self.follow[l]], h[l])
         return h
 
     def _top_r(self, g: torch.Tensor) -> list[torch.Tensor]:
-        ids = (self.logits + g).topk(self.top_r, -1).indices  # [n, L, r], best score first
-        return [ids[:, l].contiguous() for l in range(self.num_layers)]
+        ids = (self.logits[:, None, :] + g).topk(self.top_r, -1).indices  # [L, n, r], best score first
+        return list(ids.unbind(0))
 
     def route_sequence(self, num_tokens: int) -> list[torch.Tensor]:
         """Routing of consecutive tokens: one LongTensor [T, r] per layer."""
         T = num_tokens
-        h = self._within_token(T)  # [T, L, E]
-        copy = torch.rand(T, self.num_layers, self.num_experts, generator=self.generator)
-        copy = copy < self.temporal_share[None, :, None]
-        copy[:1] = False
-        src = torch.where(copy, 0, torch.arange(T)[:, None, None])
-        src = torch.cummax(src, 0).values  # last token that drew its own coordinate
-        return self._top_r(h.gather(0, src))
+        h = self._within_token(T)  # [L, T, E]
+        copy = torch.rand(self.num_layers, T, self.num_experts, generator=self.generator)
+        copy = copy < self.temporal_share[:, None, None]
+        copy[:, :1] = False
+        src = torch.where(copy, 0, torch.arange(T, dtype=torch.int32)[None, :, None]).numpy()
+        src = np.maximum.accumulate(src, axis=1)  # last token that drew its own coordinate
+        return self._top_r(h.gather(1, torch.from_numpy(src).long()))
 
     def route_tree(self, parents: torch.Tensor | Sequence[int]) -> list[torch.Tensor]:
         """Routing of a draft tree: parents [N] (−1 for a root, else an earlier node) -> L x [N, r].
@@ -338,17 +364,18 @@ class SyntheticRouter:
         for i in range(N):
             if parents[i] >= 0:
                 depth[i] = depth[parents[i]] + 1
-        h = self._within_token(N)  # [N, L, E]
-        sibling = _gumbel((N, self.num_layers, self.num_experts), self.generator)  # indexed by parent
-        u = torch.rand(N, self.num_layers, self.num_experts, generator=self.generator)
-        q_p = self.parent_share[None, :, None]
-        q_ps = q_p + self.sibling_share[None, :, None]
+        h = self._within_token(N)  # [L, N, E]
+        sibling = _gumbel((self.num_layers, N, self.num_experts), self.generator)  # indexed by parent
+        u = torch.rand(self.num_layers, N, self.num_experts, generator=self.generator)
+        q_p = self.parent_share[:, None, None]
+        q_ps = q_p + self.sibling_share[:, None, None]
         g = h.clone()
         for d in range(1, int(depth.max()) + 1 if N else 0):
             nodes = (depth == d).nonzero().squeeze(1)
             par = parents[nodes]
-            own = torch.where(u[nodes] < q_ps, sibling[par], h[nodes])
-            g[nodes] = torch.where(u[nodes] < q_p, g[par], own)
+            u_d = u[:, nodes]
+            own = torch.where(u_d < q_ps, sibling[:, par], h[:, nodes])
+            g[:, nodes] = torch.where(u_d < q_p, g[:, par], own)
         return self._top_r(g)
 
 
@@ -369,8 +396,8 @@ def distinct_experts_curve(router: SyntheticRouter, max_tokens: int, num_sequenc
         ids = torch.stack(router.route_sequence(max_tokens), 1)  # [T, L, r]
         seen = torch.zeros(max_tokens, router.num_layers, E, dtype=torch.bool)
         seen.scatter_(2, ids, True)
-        seen = torch.cummax(seen.to(torch.uint8), 0).values  # [T, L, E] touched by tokens <= t
-        total += seen.sum(2).double().mean(1)
+        seen = np.logical_or.accumulate(seen.numpy(), axis=0)  # [T, L, E] touched by tokens <= t
+        total += torch.from_numpy(seen.sum(2).mean(1))
     tokens = tuple(range(1, max_tokens + 1))
     return DistinctCurve(
         tokens=tokens,

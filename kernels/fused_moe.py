@@ -152,6 +152,7 @@ def _fused_moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # program = (block of BLOCK_M assignments of one expert) x (BLOCK_N columns of F)
     pid = tl.program_id(0)
@@ -182,6 +183,8 @@ def _fused_moe_gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         w_gate = tl.load(g_ptrs, mask=w_mask, other=0.0)
         w_up = tl.load(g_ptrs + up_shift, mask=w_mask, other=0.0)
+        if UPCAST:  # Triton interpreter: no bf16 dot (it would multiply bit patterns); exact in fp32
+            a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
         acc_gate = tl.dot(a, w_gate, acc=acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, w_up, acc=acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -212,6 +215,7 @@ def _fused_moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # program = (block of BLOCK_M assignments of one expert) x (BLOCK_N columns of D)
     pid = tl.program_id(0)
@@ -237,7 +241,10 @@ def _fused_moe_down_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         # tensor cores want both operands in the weight dtype (a no-op in fp32)
-        acc = tl.dot(a.to(w.dtype), w, acc=acc, input_precision=DOT_PRECISION)
+        a = a.to(w.dtype)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -322,7 +329,8 @@ def fused_moe_configured(
     partial = torch.empty(num_assign, D, dtype=torch.float32, device=hidden.device)  # [A, D]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # fp32 tests stay exact
     tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K)
-    opts = dict(DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages)
+    upcast = hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16  # interpreter lacks bf16 dot
+    opts = dict(DOT_PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
 
     grid = (num_blocks * triton.cdiv(F, config.BLOCK_N),)
     launch(
