@@ -154,7 +154,7 @@ def is_heldout(name: str, heldout_fraction: float) -> bool:
     return name_hash(name, "split:") < heldout_fraction
 
 
-def _cap(docs: list[Document], max_chars: int | None) -> list[Document]:
+def cap_documents(docs: list[Document], max_chars: int | None) -> list[Document]:
     """A hash-ordered prefix of `docs` of at most `max_chars` characters (None or <0: no cap)."""
     ordered = sorted(docs, key=lambda d: name_hash(d.name, "order:"))
     if max_chars is None or max_chars < 0:
@@ -183,7 +183,7 @@ def split_corpus(
         side.setdefault(doc.corpus, []).append(doc)
     for side, caps in ((split.train, train_caps or {}), (split.heldout, heldout_caps or {})):
         for corpus in list(side):
-            side[corpus] = _cap(side[corpus], caps.get(corpus))
+            side[corpus] = cap_documents(side[corpus], caps.get(corpus))
     return split
 
 

@@ -5,17 +5,20 @@
     breakdown = roofline.forward_cost(routing, context_len=512)    # routing: L x LongTensor [n, r]
     t_ar = roofline.decode_cost(context_len=512).total              # T_AR: one target-only token
 
-Roofline (DESIGN §2 "Cost models"): every phase costs max(bytes / HBM bandwidth, flops / peak), so a
-decode-sized forward is priced by the weights it reads. Per transformer layer:
+Roofline (Williams, Waterman & Patterson, CACM 2009; DESIGN §2 "Cost models"): every phase costs
+max(bytes / HBM bandwidth, flops / peak), so a decode-sized forward is priced by the weights it reads.
+Per transformer layer:
 
-    attention  = max((attention weights + KV of context and new tokens) / HBM,  projection + score flops / peak)
+    attention  = max((attention weights + KV of context + new tokens) / HBM, projection + score flops / peak)
     router     = max(router weights / HBM, 2 n D E / peak)
     expert     = sum over ACTIVE experts e of max(3 D F bytes / HBM, 6 D F t_e / peak)   (+ shared experts)
     dispatch   = combine = remote (token, rank) pairs x D x activation bytes / link bandwidth + link latency
     layer time = attention + router + slowest EP rank's expert time + dispatch + combine + launches
 
-Hardware profiles live in conf/hardware/*.yaml, model specs in conf/model_spec/*.yaml; both are plain data.
-`fit_cost_model` fits four interpretable constants to measured (routing, seconds) samples instead.
+Dispatch counts each token once per remote rank it needs (as DeepEP-style all-to-alls do) and prices
+the busiest rank's send or receive. Hardware profiles live in conf/hardware/*.yaml, model specs in
+conf/model_spec/*.yaml; both are plain data. `fit_cost_model` fits four interpretable constants to
+measured (routing, seconds) samples instead.
 """
 
 # n=verified tokens r=top-r L=MoE layers E=experts D=hidden F=expert dim W=EP ranks
@@ -100,6 +103,14 @@ class ModelSpec:
     weight_format: str = "bf16"
     notes: str = ""
 
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"compute_dtype must be 'bf16' or 'fp8', got {self.compute_dtype!r}")
+        if not 0 <= self.num_dense_layers <= self.num_layers or not 0 < self.top_r <= self.num_experts:
+            raise ValueError(
+                f"{self.name}: need 0 <= num_dense_layers <= num_layers and 0 < top_r <= num_experts"
+            )
+
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
@@ -168,7 +179,9 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     return _load_yaml_dataclass(ModelSpec, "model_spec", name_or_path)
 
 
-def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "hf", weight_bytes: float = 2.0) -> ModelSpec:
+def model_spec_from_hf_config(
+    config: Mapping[str, Any], name: str = "hf", weight_bytes: float = 2.0
+) -> ModelSpec:
     """ModelSpec of a Hugging Face MoE `config.json` (qwen2_moe, qwen3_moe, mixtral, olmoe)."""
     heads = config["num_attention_heads"]
     shared_dim = int(config.get("shared_expert_intermediate_size") or 0)
@@ -275,14 +288,19 @@ class RooflineCost:
 
     def _router_time(self, n: int) -> float:
         s = self.spec
-        return self._roof(s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts)
+        return self._roof(
+            s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts
+        )
 
-    def _dispatch_time(self, token_rank: torch.Tensor, serving: torch.Tensor, placement: ExpertPlacement) -> float:
+    def _dispatch_time(
+        self, token_rank: torch.Tensor, serving: torch.Tensor, placement: ExpertPlacement
+    ) -> float:
         """One all-to-all: each token goes once to every remote rank serving one of its experts."""
         W, rpn = placement.world_size, placement.ranks_per_node
         src = token_rank[:, None].expand_as(serving)  # [n, r]
-        pairs = torch.unique(torch.stack([torch.arange(len(serving))[:, None].expand_as(serving), src, serving], -1)
-                             .reshape(-1, 3), dim=0)  # unique (token, src, dst)
+        token = torch.arange(len(serving))[:, None].expand_as(serving)  # [n, r]
+        rows = torch.stack([token, src, serving], -1).reshape(-1, 3)  # (token, src rank, dst rank)
+        pairs = torch.unique(rows, dim=0)  # a token is sent once to each rank, however many experts it uses
         pairs = pairs[pairs[:, 1] != pairs[:, 2]]
         if len(pairs) == 0:
             return 0.0
@@ -306,7 +324,9 @@ class RooflineCost:
         """Cost of one forward over n verified tokens. routing: one LongTensor [n, r] per MoE layer."""
         s = self.spec
         if len(routing) != s.num_moe_layers:
-            raise ValueError(f"routing has {len(routing)} layers, spec {s.name} has {s.num_moe_layers} MoE layers")
+            raise ValueError(
+                f"routing has {len(routing)} layers, spec {s.name} has {s.num_moe_layers} MoE layers"
+            )
         n = int(routing[0].shape[0]) if len(routing) else 0
         if token_rank is None:
             token_rank = torch.zeros(n, dtype=torch.long)
@@ -314,8 +334,10 @@ class RooflineCost:
         per_layer = []
         launch = LAUNCHES_PER_LAYER * self.hw.launch_overhead
         attn = self._attention_time(n, context_len)
-        dense_ffn = self._roof(3 * s.hidden_size * s.dense_ffn_dim * s.dense_weight_bytes,
-                               6.0 * n * s.hidden_size * s.dense_ffn_dim)
+        dense_ffn = self._roof(
+            3 * s.hidden_size * s.dense_ffn_dim * s.dense_weight_bytes,
+            6.0 * n * s.hidden_size * s.dense_ffn_dim,
+        )
         for _ in range(s.num_dense_layers):
             parts["attention"] += attn
             parts["other"] += dense_ffn + launch
@@ -328,7 +350,9 @@ class RooflineCost:
             router = self._router_time(n)
             ids = expert_ids.reshape(-1).long()
             if self.layout is None:
-                expert = self._experts_time(torch.bincount(ids, minlength=s.num_experts)) + self._shared_time(n)
+                expert = self._experts_time(torch.bincount(ids, minlength=s.num_experts)) + self._shared_time(
+                    n
+                )
                 dispatch = 0.0
             else:
                 placement = self.layout[layer]
@@ -347,7 +371,9 @@ class RooflineCost:
             parts["combine"] += dispatch  # the reverse all-to-all moves the same bytes
             parts["other"] += launch
             per_layer.append(attn + router + expert + 2 * dispatch + launch)
-        lm_head = self._roof(s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size)
+        lm_head = self._roof(
+            s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size
+        )
         parts["other"] += lm_head + LAUNCHES_PER_FORWARD * self.hw.launch_overhead
         return CostBreakdown(**parts, per_layer=tuple(per_layer))
 
@@ -371,20 +397,29 @@ class RooflineCost:
             gen = torch.Generator().manual_seed(seed)
             costs = []
             for _ in range(num_samples):
-                routing = [torch.rand(num_tokens, s.num_experts, generator=gen).topk(s.top_r, -1).indices
-                           for _ in range(s.num_moe_layers)]
+                routing = [
+                    torch.rand(num_tokens, s.num_experts, generator=gen).topk(s.top_r, -1).indices
+                    for _ in range(s.num_moe_layers)
+                ]
                 costs.append(self.forward_cost(routing, context_len))
-            mean = {k: sum(getattr(c, k) for c in costs) / num_samples
-                    for k in ("attention", "router", "expert_gemm", "dispatch", "combine", "other")}
+            mean = {
+                k: sum(getattr(c, k) for c in costs) / num_samples
+                for k in ("attention", "router", "expert_gemm", "dispatch", "combine", "other")
+            }
             per_layer = tuple(float(np.mean([c.per_layer[i] for c in costs])) for i in range(s.num_layers))
             return CostBreakdown(**mean, per_layer=per_layer)
-        base = self.forward_cost([torch.zeros(num_tokens, 0, dtype=torch.long)] * s.num_moe_layers, context_len)
+        base = self.forward_cost(
+            [torch.zeros(num_tokens, 0, dtype=torch.long)] * s.num_moe_layers, context_len
+        )
         active = expected_distinct_experts(s.num_experts, s.top_r, num_tokens)
         per_expert = torch.tensor([num_tokens * s.top_r / active]) if active > 0 else torch.zeros(1)
         expert = self._experts_time(per_expert, count=active)  # shared experts are already in `base`
-        per_layer = tuple(t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer))
-        return dataclasses.replace(base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert,
-                                   per_layer=per_layer)
+        per_layer = tuple(
+            t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer)
+        )
+        return dataclasses.replace(
+            base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert, per_layer=per_layer
+        )
 
 
 # ---------------------------------------------------------------------- fitted model
@@ -420,13 +455,18 @@ class FittedCost:
 
     def predict(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
         x = cost_features(routing, context_len)
-        return x[0] * self.fixed + x[1] * self.per_token + x[2] * self.per_active_expert + x[3] * self.per_layer_context
+        return (
+            x[0] * self.fixed
+            + x[1] * self.per_token
+            + x[2] * self.per_active_expert
+            + x[3] * self.per_layer_context
+        )
 
     __call__ = predict
 
 
 def r_squared(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """Coefficient of determination of `predicted` against `measured` (1.0 when both are constant and equal)."""
+    """Coefficient of determination of `predicted` vs `measured` (1.0 when both are constant and equal)."""
     y, p = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
     ss_res, ss_tot = float(((y - p) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
     if ss_tot == 0.0:
@@ -447,7 +487,9 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
     y = np.array([s.seconds for s in samples])
     keep = [0] + [j for j in range(1, 4) if np.ptp(X[:, j]) > 0]
     if len(samples) < len(keep):
-        raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[names[j] for j in keep]}")
+        raise ValueError(
+            f"{len(samples)} samples cannot identify {len(keep)} constants {[names[j] for j in keep]}"
+        )
     coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
     values = [0.0] * 4
     for j, c in zip(keep, coef):

@@ -81,6 +81,8 @@ class Engine:
         timing: bool = True,
         cost_model: Callable[[list[torch.Tensor], int], float] | None = None,
         rank_loads: Callable[[list[torch.Tensor]], tuple[float, float, float]] | None = None,
+        ep: Any = None,
+        check_kv: bool = False,
         **drafter_options: Any,
     ) -> None:
         if not isinstance(target, Model):
@@ -95,6 +97,11 @@ class Engine:
         self.cost_model = cost_model
         self.rank_loads = rank_loads
         self.kv: PagedKVCache | None = None
+        # Expert parallelism (engine.ep): every rank must run the same sequence of MoE collectives, so
+        # steps are taken in lockstep (`ep.any_active(local) -> global`) and a rank without work runs
+        # `ep.idle_step()` (the collectives of one forward with zero tokens).
+        self.ep = ep
+        self.check_kv = check_kv  # debug: after every step prove committed slots hold committed tokens' K/V
 
     # ------------------------------------------------------------------ validation
     def _validate(
@@ -189,7 +196,10 @@ class Engine:
                 for r in reqs:
                     self.drafter.start(r.index, r.tokens)
             active = list(reqs)
-            while active:
+            while self._any_active(bool(active)):
+                if not active:
+                    self.ep.idle_step()
+                    continue
                 self._step(active, kv, spec, policy, eos_token_id)
                 for r in active:
                     if r.finish_reason is not None:
@@ -242,6 +252,11 @@ class Engine:
                 items.append(chain_item(r.prompt[:-1], slots[:0], slots))
         if items:
             self.target.forward_batch(pack(items, self.target.device), kv)
+        elif self.ep is not None:
+            self.ep.idle_step()
+
+    def _any_active(self, local: bool) -> bool:
+        return local if self.ep is None else bool(self.ep.any_active(local))
 
     # ------------------------------------------------------------------ one step
     def _step(self, active: list[_Request], kv: PagedKVCache, spec, policy, eos_token_id) -> None:
@@ -252,8 +267,8 @@ class Engine:
             s = self._spec_for(r, spec, policy)
             remaining = r.max_new - len(r.new_tokens)
             if s.depth > 0 and self.drafter is not None and remaining > 1:
-                s_eff = s if s.depth < remaining else _replace_depth(s, remaining - 1)
-                tree = self.drafter.draft(r.index, r.tokens, s_eff, r.params, r.generator)
+                s = s if s.depth < remaining else _replace_depth(s, remaining - 1)  # never draft past the end
+                tree = self.drafter.draft(r.index, r.tokens, s, r.params, r.generator)
             else:
                 tree = DraftTree.root_only(r.tokens[-1])
             specs.append(s)
@@ -291,6 +306,27 @@ class Engine:
             stats = self._round_stats(r, tree, s, result, committed, out, off, n, phase, forward_seconds, book)
             r.rounds.append(stats)
             off += n
+        if self.check_kv:
+            self._check_kv(active, kv)
+
+    def _check_kv(self, active: list[_Request], kv: PagedKVCache) -> None:
+        """KV invariant: no scratch is held between rounds and each request's committed slots hold
+        exactly the K/V a fresh prefill of its committed tokens produces (no unverified token)."""
+        if kv.scratch:
+            raise AssertionError(f"scratch blocks still held after the round: {kv.scratch}")
+        cfg = self.target.config
+        for r in active:
+            n = r.cached_len
+            fresh = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-n // 16) + 1, 16,
+                                 kv.k.dtype, kv.k.device)
+            fresh.add_sequence(0)
+            fresh.reserve(0, n)
+            slots = fresh.slots(0, range(n))
+            self.target.forward_batch(pack([chain_item(r.tokens[:n], slots[:0], slots)], self.target.device), fresh)
+            mine = r.slot_table[:n]
+            for name, a, b in (("K", kv.k, fresh.k), ("V", kv.v, fresh.v)):
+                if not torch.allclose(a[:, mine], b[:, slots.to(b.device)], atol=1e-4, rtol=1e-4):
+                    raise AssertionError(f"request {r.index}: committed {name} cache differs from a fresh prefill")
 
     def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
         if tree.num_nodes == 1:  # plain decode: the same draw as target-only sampling
@@ -368,6 +404,7 @@ class Engine:
             "rounds": req.rounds,
             "last": req.rounds[-1] if req.rounds else None,
             "position": len(req.new_tokens),
+            "prompt_len": len(req.prompt),
             "max_new_tokens": req.max_new,
         }
 

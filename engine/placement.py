@@ -5,13 +5,14 @@
     loads = rank_loads(expert_ids, placement)                           # expert_ids [T, r]
     loads.imbalance, loads.cross_node_ratio
 
-Strategies (one placement per MoE layer; ranks r·ranks_per_node .. belong to node r):
+Strategies (one placement per MoE layer; node k holds ranks k·ranks_per_node .. (k+1)·ranks_per_node − 1):
 
     contiguous     rank w holds experts [w·E/W, (w+1)·E/W)           (W must divide E)
     round_robin    expert e on rank e mod W                          (W must divide E)
-    load_balanced  greedy longest-processing-time bin packing of recorded counts, at most ceil(E/W)
-                   experts per rank so that weight memory stays balanced
-    replicated     the top-h hot experts on every rank, the rest load_balanced
+    load_balanced  greedy longest-processing-time bin packing (Graham 1969) of recorded counts, ceil(E/W)
+                   experts per rank at most so that weight memory stays balanced
+    replicated     the top-h hot experts on every rank, the rest load_balanced (redundant experts as in
+                   DeepSeek-V3's EPLB, 2412.19437)
 
 The single-process engine reports `rank_loads` of a virtual layout each round (DESIGN §2 "Expert
 parallelism"); the torch.distributed EP reuses the same `ExpertPlacement` and `assign_ranks`.
@@ -30,7 +31,7 @@ STRATEGIES = ("contiguous", "round_robin", "load_balanced", "replicated")
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Which EP ranks hold a copy of each expert: `expert_ranks[e]` is a tuple of ranks (several = replicas)."""
+    """Which EP ranks hold a copy of each expert: `expert_ranks[e]`, a tuple of ranks (several = replicas)."""
 
     num_experts: int
     world_size: int
@@ -40,7 +41,9 @@ class ExpertPlacement:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
-            raise ValueError(f"world_size ({self.world_size}) and ranks_per_node ({self.ranks_per_node}) must be >= 1")
+            raise ValueError(
+                f"world_size ({self.world_size}) and ranks_per_node ({self.ranks_per_node}) must be >= 1"
+            )
         if len(self.expert_ranks) != self.num_experts:
             raise ValueError(f"placement lists {len(self.expert_ranks)} experts, expected {self.num_experts}")
         dropped = [e for e, ranks in enumerate(self.expert_ranks) if len(ranks) == 0]
@@ -54,8 +57,8 @@ class ExpertPlacement:
             raise ValueError(f"expert(s) {doubled} list the same rank twice")
         if self.strategy in ("contiguous", "round_robin") and self.num_experts % self.world_size:
             raise ValueError(
-                f"{self.strategy} placement needs the world size ({self.world_size}) to divide the expert count "
-                f"({self.num_experts}); use load_balanced or replicated"
+                f"{self.strategy} placement needs the world size ({self.world_size}) to divide the expert "
+                f"count ({self.num_experts}); use load_balanced or replicated"
             )
 
     @property

@@ -6,7 +6,7 @@
     tree_routing = router.route_tree(parents)    # L x LongTensor [N, r] for a draft tree
 
 Model. Every (token, layer) has a latent score per expert, log popularity + Gumbel noise; its top-r are
-the routed experts (the Gumbel-top-r trick samples r experts without replacement by popularity). The
+the routed experts (the Gumbel-top-k trick, Kool et al. 1903.06059: r draws without replacement). The
 noise is iid Gumbel for every (token, layer, expert) marginally, so each layer's expert counts follow its
 popularity exactly; correlations come only from *sharing* noise coordinates:
 
@@ -14,13 +14,16 @@ popularity exactly; correlations come only from *sharing* noise coordinates:
                   follow_l maps layer l's k-th most popular expert to layer l-1's k-th (a fixed random
                   permutation, since popularity orders are random per layer)
     temporal      g[t, l, i] = g[t-1, l, i]            with prob. q_t  else h[t, l, i]
-    tree          g[c, l, i] = g[parent, l, i] (q_p) | sibling latent of the parent (q_s) | h[c, l, i]
+    tree          g[c, l, i] = family latent of the parent (a) else h[c, l, i]; the family latent copies
+                  the parent's g with prob. b else is fresh: children share a·b with the parent, a² among
+                  themselves
 
 Two cells that share each coordinate with prob. s have a top-r overlap that grows with s; the router
 inverts that curve (by Monte Carlo, at construction) so that consecutive tokens share `temporal_overlap`
-of their experts per layer (Mixtral decode: 0.34–0.40, 0.25 if independent) and children their parent's.
+of their experts per layer (Mixtral decode shares 0.34–0.40, 0.25 if independent: DESIGN §2) and
+children their parent's.
 
-Calibration (`calibrate`) on ../shared/data/routing (OLMoE / Mixtral on GitHub code, allenai/OLMoE):
+Calibration (`calibrate`) on ../shared/data/routing (OLMoE 2409.02060 / Mixtral routing on GitHub code):
 popularity = log-normal quantiles with spread fitted per recorded layer so the Gini coefficient of the
 generated per-expert counts matches the data's; q_x fitted so the rank-aligned cross-layer mutual
 information (layers 0→7 and 7→15) matches. Without the data, `DEFAULT_CALIBRATIONS` holds the fit.
@@ -43,7 +46,10 @@ import torch
 from engine.cost import expected_distinct_experts
 
 ROUTING_FILE = "olmoe_mixtral_github_expert_counts.json"
-DATA_KEYS = {"olmoe": ("olmoe_expert_counts_github", 64, 8), "mixtral": ("mistral_expert_counts_github", 8, 2)}
+DATA_KEYS = {
+    "olmoe": ("olmoe_expert_counts_github", 64, 8),
+    "mixtral": ("mistral_expert_counts_github", 8, 2),
+}
 CROSSLAYER_KEY = "olmoe_expert_counts_crosslayer_github"
 CROSSLAYER_PAIRS = ((0, 7), (7, 15))  # OLMoE layers of the recorded pairs (of 16); knots 0, 1, 2
 CROSSLAYER_DISTANCE = 7.5  # mean layer gap of those pairs: the distance at which q_x is matched
@@ -252,7 +258,7 @@ def calibrate(path: str | Path | None = None, model: str = "olmoe") -> RouterCal
         mis.append(round(float(crosslayer_mutual_information(joint)), 4))
         s = _fit_share(joint, (o_sigmas[k], o_sigmas[k + 1]), oE, o_r)
         shares.append((CROSSLAYER_PAIRS[k][1] - CROSSLAYER_PAIRS[k][0], max(s, 1e-6)))
-    # least squares on log s_d = d·log ρ
+    # one per-layer share for both pairs: least squares on log s_d = d·log ρ
     log_rho = sum(d * math.log(s) for d, s in shares) / sum(d * d for d, _ in shares)
     return RouterCalibration(
         source=f"{model} github ({file.name})",
@@ -280,7 +286,9 @@ class SyntheticRouter:
         seed: int = 0,
     ) -> None:
         if not 0 < top_r <= num_experts or num_layers < 1:
-            raise ValueError(f"need 0 < top_r <= num_experts and num_layers >= 1, got {top_r}, {num_experts}, {num_layers}")
+            raise ValueError(
+                f"need 0 < top_r <= num_experts and num_layers >= 1, got {top_r}, {num_experts}, {num_layers}"
+            )
         self.num_experts, self.top_r, self.num_layers = num_experts, top_r, num_layers
         self.calibration = cal = calibration or default_calibration(num_experts)
         self.generator = torch.Generator().manual_seed(seed)
@@ -299,7 +307,9 @@ class SyntheticRouter:
             self.follow[l, self.order[l]] = self.order[l - 1]
 
         # overlap -> sharing is solved at the knots and midway between them, then interpolated in depth
-        points = np.unique(np.concatenate([cal.depth_knots, np.convolve(cal.depth_knots, [0.5, 0.5], "valid")]))
+        points = np.unique(
+            np.concatenate([cal.depth_knots, np.convolve(cal.depth_knots, [0.5, 0.5], "valid")])
+        )
         point_sigma = np.interp(points, cal.depth_knots, knot_sigma)
 
         def per_layer(target: float | None) -> torch.Tensor:
@@ -307,10 +317,17 @@ class SyntheticRouter:
             return torch.tensor(np.interp(depth, points, shares), dtype=torch.float32)
 
         self.temporal_share = per_layer(cal.temporal_overlap)  # [L] q_t
-        parent_target = cal.tree_parent_overlap if cal.tree_parent_overlap is not None else cal.temporal_overlap
-        self.parent_share = per_layer(parent_target)  # [L] q_p
-        sibling = per_layer(cal.tree_sibling_overlap)  # [L] total sibling sharing wanted
-        self.sibling_share = torch.minimum((sibling - self.parent_share**2).clamp_min(0).sqrt(), 1 - self.parent_share)
+        parent_target = (
+            cal.tree_parent_overlap if cal.tree_parent_overlap is not None else cal.temporal_overlap
+        )
+        parent = per_layer(parent_target)  # [L] sharing child-parent
+        sibling = torch.maximum(per_layer(cal.tree_sibling_overlap), parent**2)  # [L] between siblings
+        # child coordinate = family latent (prob. a) else its own; family latent = parent's (prob. b) else
+        # fresh: child-parent sharing a·b, sibling sharing a², so siblings share >= parent² (via the parent)
+        self.family_share = sibling.sqrt()  # [L] a
+        self.family_from_parent = torch.where(
+            self.family_share > 0, parent / self.family_share.clamp_min(1e-9), 0.0
+        )
         # Temporal copying dilutes within-token sharing: cells of layers a and b coincide only if both
         # reach back to the same token, P = F(q_a, q_b) = (1-q_a)(1-q_b)/(1-q_a q_b). Spread -log F over the
         # layers so that sharing at CROSSLAYER_DISTANCE stays crosslayer_share ** distance.
@@ -352,8 +369,9 @@ class SyntheticRouter:
     def route_tree(self, parents: torch.Tensor | Sequence[int]) -> list[torch.Tensor]:
         """Routing of a draft tree: parents [N] (−1 for a root, else an earlier node) -> L x [N, r].
 
-        A child copies each latent coordinate from its parent (q_p), from a latent shared by all
-        children of that parent (q_s), or draws its own.
+        Each parent has a family latent that copies the parent's coordinates with prob. b and is fresh
+        otherwise; each child takes a coordinate from its family latent with prob. a, else draws its own.
+        So children share a·b of their coordinates with the parent and siblings a² with each other.
         """
         parents = torch.as_tensor(parents, dtype=torch.long)
         N = parents.numel()
@@ -364,18 +382,17 @@ class SyntheticRouter:
         for i in range(N):
             if parents[i] >= 0:
                 depth[i] = depth[parents[i]] + 1
+        L, E = self.num_layers, self.num_experts
         h = self._within_token(N)  # [L, N, E]
-        sibling = _gumbel((self.num_layers, N, self.num_experts), self.generator)  # indexed by parent
-        u = torch.rand(self.num_layers, N, self.num_experts, generator=self.generator)
-        q_p = self.parent_share[:, None, None]
-        q_ps = q_p + self.sibling_share[:, None, None]
+        family = _gumbel((L, N, E), self.generator)  # family latent of node j's children, [L, N, E]
+        from_parent = torch.rand(L, N, E, generator=self.generator) < self.family_from_parent[:, None, None]
+        from_family = torch.rand(L, N, E, generator=self.generator) < self.family_share[:, None, None]
         g = h.clone()
         for d in range(1, int(depth.max()) + 1 if N else 0):
             nodes = (depth == d).nonzero().squeeze(1)
             par = parents[nodes]
-            u_d = u[:, nodes]
-            own = torch.where(u_d < q_ps, sibling[:, par], h[:, nodes])
-            g[:, nodes] = torch.where(u_d < q_p, g[:, par], own)
+            fam = torch.where(from_parent[:, par], g[:, par], family[:, par])  # [L, n_d, E]
+            g[:, nodes] = torch.where(from_family[:, nodes], fam, h[:, nodes])
         return self._top_r(g)
 
 

@@ -50,13 +50,18 @@ def fused_moe(
     w_down [E, D, F], expert_ids [T, r] (-1 = expert not local: contributes 0), topk_weights [T, r]
     -> [T, D] in hidden's dtype:
 
-        out[t] = sum_s topk_weights[t, s] * w_down[e] @ (silu(w_gate_up[e, :F] @ h[t]) * (w_gate_up[e, F:] @ h[t]))
+        out[t] = sum_s topk_weights[t, s] * w_down[e] @ (silu(gate_e @ h[t]) * (up_e @ h[t])),
+        e = expert_ids[t, s], gate_e = w_gate_up[e, :F], up_e = w_gate_up[e, F:]
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     args = (hidden, w_gate_up, w_down, expert_ids, topk_weights)
     if backend == "auto":
-        backend = "triton" if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights) else "torch"
+        backend = (
+            "triton"
+            if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights)
+            else "torch"
+        )
     if backend == "torch":
         return fused_moe_ref(*args)
     if _needs_grad(hidden, w_gate_up, w_down, topk_weights):

@@ -17,11 +17,12 @@ roofline at `cpu_bw`), which doubles as the smoke test. Hydra entry point (struc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import hydra
 import torch
@@ -87,8 +88,8 @@ class Case:
 def make_weights(shape: ExpertShape, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Random expert weights w_gate_up [E, 2F, D], w_down [E, D, F] (scaled so outputs stay O(1))."""
     D, F, E = shape.hidden, shape.expert_dim, shape.experts
-    w_gate_up = torch.randn(E, 2 * F, D, dtype=dtype, device=device) * D**-0.5
-    w_down = torch.randn(E, D, F, dtype=dtype, device=device) * F**-0.5
+    w_gate_up = torch.randn(E, 2 * F, D, dtype=dtype, device=device).mul_(D**-0.5)
+    w_down = torch.randn(E, D, F, dtype=dtype, device=device).mul_(F**-0.5)
     return w_gate_up, w_down
 
 
@@ -156,19 +157,47 @@ def time_eager(fns: list[Callable[[], torch.Tensor]], iters: int, cuda: bool) ->
 
 
 HEADER = (
-    f"{'model':<14} {'T':>3} {'U':>4} {'MB read':>9} {'roof us':>8} {'triton us':>10} {'% roof':>7} "
-    f"{'GB/s':>7} {'torch us':>9} {'speedup':>8} {'max err':>8}"
+    f"{'model':<14} {'T':>3} {'U':>5} {'MB read':>9} {'roof us':>8} {'triton us':>10} {'% roof':>7} "
+    f"{'GB/s':>7} {'torch us':>9} {'% roof':>7} {'speedup':>8} {'max err':>8}"
 )
 
 
-def row(name: str, T: int, U: float, nbytes: float, bw: float, t_tri: float | None, t_ref: float | None, err: float | None) -> str:  # fmt: skip
+def row(
+    model: str,
+    T: int,
+    U: float,
+    nbytes: float,
+    bw: float,
+    t_tri: float | None,
+    t_ref: float | None,
+    err: float | None,
+) -> str:
+    """One table line; times in seconds, None prints n/a."""
     t_roof = nbytes / bw
     na = "n/a"
-    tri = f"{t_tri * 1e6:10.1f} {t_roof / t_tri:7.1%} {nbytes / t_tri / 1e9:7.0f}" if t_tri else f"{na:>10} {na:>7} {na:>7}"
-    ref = f"{t_ref * 1e6:9.1f}" if t_ref else f"{na:>9}"
-    speed = f"{t_ref / t_tri:7.2f}x" if t_ref and t_tri else f"{na:>8}"
+    tri = (
+        f"{t_tri * 1e6:10.1f} {t_roof / t_tri:7.1%} {nbytes / t_tri / 1e9:7.0f}"
+        if t_tri
+        else f"{na:>10} {na:>7} {na:>7}"
+    )
+    ref = f"{t_ref * 1e6:9.1f} {t_roof / t_ref:7.1%}" if t_ref else f"{na:>9} {na:>7}"
+    speedup = f"{t_ref / t_tri:7.2f}x" if t_ref and t_tri else f"{na:>8}"
     err_s = f"{err:8.1e}" if err is not None else f"{na:>8}"
-    return f"{name:<14} {T:>3} {U:>4.1f} {nbytes / 1e6:>9.1f} {t_roof * 1e6:>8.1f} {tri} {ref} {speed} {err_s}"
+    head = f"{model:<14} {T:>3} {U:>5.1f} {nbytes / 1e6:>9.1f} {t_roof * 1e6:>8.1f}"
+    return f"{head} {tri} {ref} {speedup} {err_s}"
+
+
+def bind(
+    cases: list[Case],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    fn: Callable[..., torch.Tensor] = fused_moe,
+    config: MoeBlockConfig | None = None,
+) -> list[Callable[[], torch.Tensor]]:
+    """One zero-argument call of `fn` (or `fused_moe_configured` with `config`) per routing case."""
+    if config is not None:
+        fn = functools.partial(fused_moe_configured, config=config)
+    return [functools.partial(fn, c.hidden, w_gate_up, w_down, c.expert_ids, c.topk_weights) for c in cases]
 
 
 def run_cpu(cfg: BenchConfig) -> None:
@@ -177,32 +206,33 @@ def run_cpu(cfg: BenchConfig) -> None:
     gen = torch.Generator().manual_seed(cfg.seed)
     print(f"CPU sanity table: torch reference only, fp32, 1 thread, roofline at cpu_bw={cfg.cpu_bw:.3g} B/s")
     print(HEADER)
-    for name in cfg.cpu_models:
-        shape = MODELS[name]
+    for model in cfg.cpu_models:
+        shape = MODELS[model]
         w_gate_up, w_down = make_weights(shape, torch.float32, "cpu")
         for T in cfg.tokens:
             cases = [make_case(shape, T, torch.float32, "cpu", gen) for _ in range(cfg.rotations)]
-            fns = [lambda c=c: fused_moe_ref(c.hidden, w_gate_up, w_down, c.expert_ids, c.topk_weights) for c in cases]
-            t_ref = time_eager(fns, cfg.iters, cuda=False)
+            t_ref = time_eager(bind(cases, w_gate_up, w_down, fused_moe_ref), cfg.iters, cuda=False)
             nbytes = sum(c.bytes_read for c in cases) / len(cases)
             U = nbytes / shape.expert_bytes(torch.float32)
-            print(row(name, T, U, nbytes, cfg.cpu_bw, None, t_ref, None))
+            print(row(model, T, U, nbytes, cfg.cpu_bw, None, t_ref, None))
 
 
 def tune_grid(T: int) -> list[MoeBlockConfig]:
+    """Candidate block sizes for `tune=true` (BLOCK_M beyond 16 only pays with many rows per expert)."""
     block_m = [16] if T <= 32 else [16, 32]
     grid = itertools.product(block_m, [32, 64, 128], [64, 128, 256], [4, 8], [3, 4, 5])
     return [MoeBlockConfig(m, n, k, w, s) for m, n, k, w, s in grid]
 
 
 def run_gpu(cfg: BenchConfig) -> None:
+    """The GPU table (and, with `tune`, the block-size sweep) for every model shape and token count."""
     dtype = getattr(torch, cfg.dtype)
-    name = torch.cuda.get_device_name()
-    bw = cfg.hbm_bw or next((v for k, v in PEAK_HBM_BW.items() if k in name), None)
+    device_name = torch.cuda.get_device_name()
+    bw = cfg.hbm_bw or next((v for k, v in PEAK_HBM_BW.items() if k in device_name), None)
     if bw is None:
         bw = DEFAULT_HBM_BW
-        print(f"unknown GPU {name!r}: assuming H100 HBM bandwidth; pass hbm_bw=<B/s> to override")
-    print(f"device {name}, peak HBM bandwidth {bw:.3g} B/s, {cfg.dtype}, {cfg.rotations} routings per call sequence")
+        print(f"unknown GPU {device_name!r}: assuming H100 HBM bandwidth; pass hbm_bw=<B/s> to override")
+    print(f"device {device_name}, peak HBM bandwidth {bw:.3g} B/s, {cfg.dtype}, {cfg.rotations} routings")
     gen = torch.Generator().manual_seed(cfg.seed)
     tuned = []
     print(HEADER)
@@ -213,40 +243,51 @@ def run_gpu(cfg: BenchConfig) -> None:
             cases = [make_case(shape, T, dtype, "cuda", gen) for _ in range(cfg.rotations)]
             nbytes = sum(c.bytes_read for c in cases) / len(cases)
             U = nbytes / shape.expert_bytes(dtype)
-
-            def calls(config: MoeBlockConfig | None, cases: list[Case] = cases) -> list[Callable[[], torch.Tensor]]:
-                if config is None:
-                    return [lambda c=c: fused_moe(c.hidden, w_gate_up, w_down, c.expert_ids, c.topk_weights) for c in cases]  # fmt: skip
-                return [lambda c=c: fused_moe_configured(c.hidden, w_gate_up, w_down, c.expert_ids, c.topk_weights, config) for c in cases]  # fmt: skip
-
-            t_tri, mode = time_graph(calls(None), cfg.iters)
+            t_tri, mode = time_graph(bind(cases, w_gate_up, w_down), cfg.iters)
             if mode != "graph":
                 print(f"(graph capture failed for T={T}: eager timing, includes launch overhead)")
-            c0 = cases[0]
-            out = fused_moe(c0.hidden, w_gate_up, w_down, c0.expert_ids, c0.topk_weights).float()
-            ref = fused_moe_ref(c0.hidden, w_gate_up, w_down, c0.expert_ids, c0.topk_weights).float()
+            out, ref = (
+                fn().float()
+                for fn in (bind(cases[:1], w_gate_up, w_down, f)[0] for f in (fused_moe, fused_moe_ref))
+            )
             err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
             t_ref = None
             if cfg.reference:
-                ref_fns = [lambda c=c: fused_moe_ref(c.hidden, w_gate_up, w_down, c.expert_ids, c.topk_weights) for c in cases]  # fmt: skip
-                t_ref = time_eager(ref_fns, max(1, cfg.iters // 4), cuda=True)
+                t_ref = time_eager(
+                    bind(cases, w_gate_up, w_down, fused_moe_ref), max(1, cfg.iters // 4), cuda=True
+                )
             print(row(model, T, U, nbytes, bw, t_tri, t_ref, err), flush=True)
-
             if cfg.tune:
-                timed = []
-                for config in tune_grid(T):
-                    try:
-                        timed.append((time_graph(calls(config), max(3, cfg.iters // 4))[0], config))
-                    except Exception as exc:  # e.g. out of shared memory for the largest tiles
-                        print(f"  skip {config}: {type(exc).__name__}")
-                best_t, best = min(timed, key=lambda x: x[0])
-                print(f"  tuned {best}: {best_t * 1e6:.1f} us ({nbytes / bw / best_t:.1%} roof) vs default {get_config(T, shape.hidden, shape.expert_dim)}")  # fmt: skip
-                tuned.append({"hidden": shape.hidden, "expert_dim": shape.expert_dim, "max_tokens": T, **best.__dict__})
+                tuned.append(tune(shape, T, cases, w_gate_up, w_down, nbytes / bw, cfg.iters))
         del w_gate_up, w_down
         torch.cuda.empty_cache()
     if tuned:
-        print("fused_moe_configs.json entries for this GPU:")
+        print("fused_moe_configs.json entries for this GPU (paste into kernels/fused_moe_configs.json):")
         print(json.dumps({"configs": tuned}, indent=1))
+
+
+def tune(
+    shape: ExpertShape,
+    T: int,
+    cases: list[Case],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    t_roof: float,
+    iters: int,
+) -> dict:
+    """Time every config of `tune_grid(T)`; print the best and return it as a JSON config entry."""
+    timed = []
+    for config in tune_grid(T):
+        try:
+            timed.append(
+                (time_graph(bind(cases, w_gate_up, w_down, config=config), max(3, iters // 4))[0], config)
+            )
+        except Exception as exc:  # e.g. out of shared memory for the largest tiles
+            print(f"  skip {config}: {type(exc).__name__}")
+    best_t, best = min(timed, key=lambda x: x[0])
+    default = get_config(T, shape.hidden, shape.expert_dim)
+    print(f"  tuned {best}: {best_t * 1e6:.1f} us ({t_roof / best_t:.1%} roof); current {default}")
+    return {"hidden": shape.hidden, "expert_dim": shape.expert_dim, "max_tokens": T, **asdict(best)}
 
 
 @hydra.main(version_base=None, config_name="kernels_bench")

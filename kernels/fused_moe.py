@@ -1,7 +1,7 @@
 """MoE expert compute for small verification batches: grouped GEMM over the active experts only.
 
-    out[t] = sum_s topk_weights[t, s] * w_down[e] @ (silu(w_gate_up[e, :F] @ h[t]) * (w_gate_up[e, F:] @ h[t]))
-    with e = expert_ids[t, s]; e = -1 (expert not local under EP) contributes 0.
+    out[t] = sum_s topk_weights[t,s] * w_down[e] @ (silu(w_gate_up[e, :F] @ h[t]) * (w_gate_up[e, F:] @ h[t]))
+    e = expert_ids[t, s]; e = -1 (expert not local under EP) contributes 0.
 
 Rows 0..F-1 of `w_gate_up` are the gate projection, rows F..2F-1 the up projection (the layout of
 transformers' fused `experts.gate_up_proj`).
@@ -86,7 +86,9 @@ def check_moe_inputs(
     if tuple(topk_weights.shape) != (T, r):
         raise ValueError(f"topk_weights must be [T, r] = {(T, r)}, got {tuple(topk_weights.shape)}")
     if not (hidden.is_floating_point() and topk_weights.is_floating_point()):
-        raise ValueError(f"hidden and topk_weights must be floating, got {hidden.dtype}, {topk_weights.dtype}")
+        raise ValueError(
+            f"hidden and topk_weights must be floating, got {hidden.dtype}, {topk_weights.dtype}"
+        )
     if w_gate_up.dtype != hidden.dtype or w_down.dtype != hidden.dtype:
         raise ValueError(
             f"weights must have hidden's dtype {hidden.dtype}, got {w_gate_up.dtype} and {w_down.dtype}"
@@ -115,22 +117,26 @@ def fused_moe_ref(
     T, D, E, F, r = check_moe_inputs(hidden, w_gate_up, w_down, expert_ids, topk_weights)
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     flat = expert_ids.reshape(-1)  # [A]
-    local = (flat >= 0).nonzero().squeeze(1)  # [A_local] flat assignment indices
-    if local.numel() == 0:
+    # one host sync for the grouping: counts[0] = remote (-1) slots, counts[1 + e] = expert e's slots
+    counts = torch.bincount(flat + 1, minlength=E + 1).tolist()
+    if counts[0] == flat.numel():
         return hidden.new_zeros(T, D)
-    sorted_experts, perm = flat[local].sort(stable=True)
-    assign = local[perm]  # [A_local] grouped by expert, flat order inside a group
-    active, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+    assign = flat.argsort(stable=True)[counts[0] :]  # [A_local] grouped by expert, flat order inside
+    tokens = assign // r
 
-    x = hidden.to(acc_dtype).index_select(0, assign // r)  # [A_local, D]
-    ys = []
-    for e, x_e in zip(active.tolist(), x.split(counts.tolist()), strict=True):
-        gate, up = F_nn.linear(x_e, w_gate_up[e].to(acc_dtype)).chunk(2, dim=-1)  # [n, F] each
+    x = hidden.index_select(0, tokens).to(acc_dtype)  # [A_local, D]
+    ys, start = [], 0
+    for e in range(E):
+        n = counts[1 + e]
+        if n == 0:
+            continue
+        gate, up = F_nn.linear(x[start : start + n], w_gate_up[e].to(acc_dtype)).chunk(2, dim=-1)  # [n, F]
         ys.append(F_nn.linear(F_nn.silu(gate) * up, w_down[e].to(acc_dtype)))  # [n, D]
+        start += n
     weights = topk_weights.reshape(-1).index_select(0, assign).to(acc_dtype)  # [A_local]
-    y = torch.cat(ys) * weights[:, None]
-    out = torch.zeros(T, D, dtype=acc_dtype, device=hidden.device).index_add(0, assign // r, y)
-    return out.to(hidden.dtype)
+    y = (ys[0] if len(ys) == 1 else torch.cat(ys)) * weights[:, None]
+    out = torch.zeros(T, D, dtype=acc_dtype, device=hidden.device)
+    return out.index_add_(0, tokens, y).to(hidden.dtype)
 
 
 @triton.jit
@@ -292,7 +298,11 @@ def get_config(num_tokens: int, hidden: int, expert_dim: int) -> MoeBlockConfig:
     entries = [c for c in _tuned_configs() if (c["hidden"], c["expert_dim"]) == (hidden, expert_dim)]
     if entries:
         fitting = [c for c in entries if c["max_tokens"] >= num_tokens]
-        entry = min(fitting, key=lambda c: c["max_tokens"]) if fitting else max(entries, key=lambda c: c["max_tokens"])
+        entry = (
+            min(fitting, key=lambda c: c["max_tokens"])
+            if fitting
+            else max(entries, key=lambda c: c["max_tokens"])
+        )
         return MoeBlockConfig(**{k: v for k, v in entry.items() if k in MoeBlockConfig.__dataclass_fields__})
     # decode-sized batches: few assignments per expert, so a short BLOCK_M wastes the fewest rows
     return MoeBlockConfig(BLOCK_M=16 if num_tokens <= 64 else 64)
@@ -330,7 +340,9 @@ def fused_moe_configured(
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # fp32 tests stay exact
     tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K)
     upcast = hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16  # interpreter lacks bf16 dot
-    opts = dict(DOT_PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+    opts = dict(
+        DOT_PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps, num_stages=config.num_stages
+    )
 
     grid = (num_blocks * triton.cdiv(F, config.BLOCK_N),)
     launch(
@@ -368,6 +380,4 @@ def fused_moe(
     `get_config`. Needs contiguous fp32/bf16/fp16 tensors on CUDA (or CPU under TRITON_INTERPRET=1)."""
     T, D = hidden.shape if hidden.dim() == 2 else (0, 0)
     F = w_down.shape[-1] if w_down.dim() == 3 else 0
-    return fused_moe_configured(
-        hidden, w_gate_up, w_down, expert_ids, topk_weights, get_config(T, D, F)
-    )
+    return fused_moe_configured(hidden, w_gate_up, w_down, expert_ids, topk_weights, get_config(T, D, F))

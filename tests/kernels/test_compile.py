@@ -43,7 +43,8 @@ done = 0
 for dt, prec in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
     # every tuned config in bf16 (the production dtype); the default in every dtype
     for cfg in {MoeBlockConfig()} | (tuned if dt == "bf16" else set()):
-        tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, DOT_PRECISION=prec, UPCAST=False)
+        tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+        tiles.update(DOT_PRECISION=prec, UPCAST=False)
         gate_up = dict(hidden_ptr="*" + dt, w_gate_up_ptr="*" + dt, inter_ptr="*fp32", sorted_ids_ptr="*i32",
                        block_expert_ptr="*i32", num_assign=I32, top_r=I32, D=I32, F=I32, stride_ht=I32,
                        stride_we=I32, stride_wn=I32, stride_it=I32)
@@ -61,7 +62,8 @@ for e_pad, ids in ((8, "*i64"), (256, "*i32")):
     align = dict(expert_ids_ptr=ids, sorted_ids_ptr="*i32", block_expert_ptr="*i32", counts_ptr="*i32",
                  offsets_ptr="*i32", num_padded_ptr="*i32", num_invalid_ptr="*i32", num_assign=I32,
                  num_experts=I32, total_len=I32)
-    compile_(_moe_align_kernel, align, dict(BLOCK_M=16, E_PAD=e_pad, CHUNK=max(16, min(128, 8192 // e_pad)), FILL=1024))
+    chunk = max(16, min(128, 8192 // e_pad))  # as in moe_align()
+    compile_(_moe_align_kernel, align, dict(BLOCK_M=16, E_PAD=e_pad, CHUNK=chunk, FILL=1024))
     done += 1
 print("compiled", done)
 """

@@ -1,0 +1,225 @@
+"""Roofline known answers, monotonicity, EP slowest rank, config errors, and the least-squares fit."""
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.cost import (
+    CostSample,
+    HardwareProfile,
+    ModelSpec,
+    RooflineCost,
+    cost_features,
+    expected_distinct_experts,
+    fit_cost_model,
+    load_hardware,
+    load_model_spec,
+    model_spec_from_hf_config,
+)
+from engine.placement import place_experts
+
+HW = HardwareProfile(
+    name="toy",
+    hbm_bandwidth=1e12,
+    peak_flops_bf16=1e14,
+    peak_flops_fp8=2e14,
+    nvlink_bandwidth=1e11,
+    nvlink_latency=1e-6,
+    internode_bandwidth=1e10,
+    internode_latency=1e-5,
+    pcie_bandwidth=1e10,
+    pcie_latency=2e-6,
+    launch_overhead=0.0,
+)
+SPEC = ModelSpec(
+    name="toy",
+    num_layers=1,
+    num_dense_layers=0,
+    hidden_size=1000,
+    expert_dim=2000,
+    num_experts=4,
+    top_r=1,
+    num_shared_experts=0,
+    shared_expert_dim=0,
+    dense_ffn_dim=0,
+    num_attention_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=100,
+    expert_weight_bytes=2.0,
+    dense_weight_bytes=2.0,
+)
+D, F = SPEC.hidden_size, SPEC.expert_dim
+
+
+def ids(*rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def test_one_expert_one_token_memory_bound():
+    cost = RooflineCost(HW, SPEC).forward_cost([ids([0])], context_len=0)
+    expert_bytes = 3 * D * F * 2  # gate, up, down in bf16
+    assert cost.expert_gemm == pytest.approx(expert_bytes / HW.hbm_bandwidth)  # 12 µs >> 6DF/peak = 0.12 µs
+    router = max(D * 4 * 2 / HW.hbm_bandwidth, 2 * D * 4 / HW.peak_flops_bf16)
+    assert cost.router == pytest.approx(router)
+    attn_params = 2 * D * 8 * 64 + 2 * D * 2 * 64
+    kv = 2 * 2 * 64 * 2  # k and v, 2 kv heads, head_dim 64, bf16, for the one new token
+    assert cost.attention == pytest.approx((attn_params * 2 + kv) / HW.hbm_bandwidth)
+    assert cost.dispatch == cost.combine == 0.0
+    assert cost.total == pytest.approx(sum(cost.per_layer) + 100 * D * 2 / HW.hbm_bandwidth)
+
+
+def test_one_expert_compute_bound():
+    hw = dataclasses.replace(HW, peak_flops_bf16=1e13)
+    n = 1000  # all tokens on expert 0: 6·D·F·n flops / peak = 1.2 ms > 12 µs of weight reads
+    cost = RooflineCost(hw, SPEC).forward_cost([torch.zeros(n, 1, dtype=torch.long)], context_len=0)
+    assert cost.expert_gemm == pytest.approx(6 * D * F * n / hw.peak_flops_bf16)
+    fp8 = dataclasses.replace(SPEC, compute_dtype="fp8", expert_weight_bytes=1.0)
+    cost8 = RooflineCost(hw, fp8).forward_cost([torch.zeros(n, 1, dtype=torch.long)], context_len=0)
+    assert cost8.expert_gemm == pytest.approx(6 * D * F * n / hw.peak_flops_fp8)
+
+
+def test_more_distinct_experts_never_cost_less():
+    rng = random.Random(0)
+    spec = dataclasses.replace(SPEC, num_layers=3, num_experts=16, top_r=2)
+    ep = place_experts(16, 4, "contiguous", ranks_per_node=2)
+    for hw in (HW, dataclasses.replace(HW, peak_flops_bf16=3e11)):  # memory- and compute-bound regimes
+        plain, with_ep = RooflineCost(hw, spec), RooflineCost(hw, spec, layout=ep)
+        for _ in range(40):
+            n = rng.randint(1, 12)
+            routing = [torch.stack([torch.randperm(16)[:2] for _ in range(n)]) for _ in range(3)]
+            # adding a token adds assignments: cost cannot drop, with or without EP
+            extra = [torch.cat([e, torch.randperm(16)[:2][None]]) for e in routing]
+            for model in (plain, with_ep):
+                assert model(extra, 64) >= model(routing, 64) - 1e-15
+            # moving one assignment onto an inactive expert: more distinct experts, same tokens
+            layer = rng.randrange(3)
+            inactive = sorted(set(range(16)) - set(routing[layer].reshape(-1).tolist()))
+            moved = [e.clone() for e in routing]
+            t = rng.randrange(n)
+            k = rng.randrange(2)
+            if inactive and moved[layer][t, 1 - k] != inactive[0]:
+                moved[layer][t, k] = inactive[0]
+                assert plain(moved, 64) >= plain(routing, 64) - 1e-15
+
+
+def test_ep_layer_time_is_slowest_rank():
+    spec = dataclasses.replace(SPEC, top_r=2)
+    placement = place_experts(4, 2, "contiguous", ranks_per_node=2)  # rank 0: {0, 1}, rank 1: {2, 3}
+    routing = [ids([0, 2], [0, 3], [0, 2])]  # rank 0 runs 1 expert, rank 1 runs 2
+    t_mem = 3 * D * F * 2 / HW.hbm_bandwidth
+    plain = RooflineCost(HW, spec).forward_cost(routing, 0)
+    ep = RooflineCost(HW, spec, layout=placement).forward_cost(routing, 0)
+    assert plain.expert_gemm == pytest.approx(3 * t_mem)
+    assert ep.expert_gemm == pytest.approx(2 * t_mem)
+    # all tokens on rank 0: each goes once to rank 1 over NVLink (3 tokens x D x 2 bytes) + latency
+    assert ep.dispatch == pytest.approx(3 * D * 2 / HW.nvlink_bandwidth + HW.nvlink_latency)
+    assert ep.combine == ep.dispatch
+    # two nodes of one rank each: the same bytes cross InfiniBand instead
+    ep2 = RooflineCost(HW, spec, layout=place_experts(4, 2, "contiguous", ranks_per_node=1)).forward_cost(
+        routing, 0
+    )
+    assert ep2.dispatch == pytest.approx(3 * D * 2 / HW.internode_bandwidth + HW.internode_latency)
+
+
+def test_expected_cost_matches_uniform_formula_and_decode():
+    spec = dataclasses.replace(SPEC, num_layers=2, num_experts=16, top_r=2)
+    model = RooflineCost(HW, spec)
+    t_mem = 3 * D * F * 2 / HW.hbm_bandwidth
+    base = model.forward_cost([torch.zeros(5, 0, dtype=torch.long)] * 2, 32)
+    exp = model.expected_cost(5, 32)
+    assert exp.expert_gemm - base.expert_gemm == pytest.approx(
+        2 * expected_distinct_experts(16, 2, 5) * t_mem
+    )
+    # one token always touches exactly r experts per layer
+    one = model.forward_cost([ids([3, 7]), ids([0, 1])], 32)
+    assert model.decode_cost(32).total == pytest.approx(one.total)
+    assert expected_distinct_experts(16, 2, 1) == pytest.approx(2.0)
+    ep = RooflineCost(HW, spec, layout=place_experts(16, 2, "round_robin"))
+    assert ep.expected_cost(5, 32, num_samples=4).total > 0
+
+
+def test_shipped_profiles_and_specs_load():
+    for name in ("h100", "h200", "a100", "rtx6000ada", "cpu"):
+        hw = load_hardware(name)
+        assert hw.hbm_bandwidth > 0 and hw.peak_flops_bf16 > 0
+    assert load_hardware("rtx6000ada").intra_node_link() == (32e9, 5e-6)  # no NVLink: PCIe
+    total_params = {
+        "deepseek_v3": 671e9,
+        "qwen3_235b_a22b": 235e9,
+        "qwen3_30b_a3b": 30.5e9,
+        "gpt_oss_120b": 117e9,
+        "mixtral_8x7b": 46.7e9,
+        "olmoe_1b_7b": 6.9e9,
+    }
+    for name, expected in total_params.items():
+        s = load_model_spec(name)
+        params = (
+            s.num_moe_layers * s.num_experts * 3 * s.hidden_size * s.expert_dim
+            + s.num_moe_layers * 3 * s.hidden_size * s.shared_expert_dim * s.num_shared_experts
+            + s.num_dense_layers * 3 * s.hidden_size * s.dense_ffn_dim
+            + s.num_layers * s.attn_params
+            + 2 * s.vocab_size * s.hidden_size
+        )
+        assert params == pytest.approx(expected, rel=0.03), name
+    assert RooflineCost(load_hardware("h100"), load_model_spec("deepseek_v3")).decode_cost(1024).total > 0
+
+
+def test_missing_field_and_unknown_name(tmp_path):
+    text = (load_hardware.__globals__["CONF_DIR"] / "hardware" / "h100.yaml").read_text()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("\n".join(line for line in text.splitlines() if not line.startswith("hbm_bandwidth")))
+    with pytest.raises(ValueError, match="hbm_bandwidth"):
+        load_hardware(broken)
+    with pytest.raises(ValueError, match=r"available: .*a100.*h100"):
+        load_hardware("h900")
+    with pytest.raises(ValueError, match="mixtral_8x7b"):
+        load_model_spec("mixtral")
+
+
+def test_spec_from_hf_config():
+    cfg = {
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "moe_intermediate_size": 128,
+        "intermediate_size": 512,
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "shared_expert_intermediate_size": 256,
+    }
+    s = model_spec_from_hf_config(cfg, "tiny", weight_bytes=4.0)
+    assert (s.num_moe_layers, s.head_dim, s.num_shared_experts, s.expert_bytes) == (
+        4,
+        64,
+        1,
+        3 * 256 * 128 * 4,
+    )
+
+
+def test_fit_recovers_known_constants():
+    gen = torch.Generator().manual_seed(0)
+    truth = np.array([2e-3, 1e-4, 5e-5, 2e-8])  # fixed, per token, per active expert, per layer·context
+    samples = []
+    for i in range(60):
+        n = 1 + i % 16
+        routing = [torch.rand(n, 16, generator=gen).topk(2, -1).indices for _ in range(4)]
+        ctx = int(torch.randint(1, 2000, (1,), generator=gen))
+        seconds = float(np.dot(truth, cost_features(routing, ctx))) * (
+            1 + 1e-3 * float(torch.randn(1, generator=gen))
+        )
+        samples.append(CostSample(routing, ctx, seconds))
+    fitted, r2 = fit_cost_model(samples)
+    assert r2 > 0.99
+    got = np.array([fitted.fixed, fitted.per_token, fitted.per_active_expert, fitted.per_layer_context])
+    np.testing.assert_allclose(got, truth, rtol=0.05)
+    assert fitted(samples[0].routing, samples[0].context_len) == pytest.approx(samples[0].seconds, rel=0.01)
+    # constant context cannot be told apart from the fixed cost: held at 0, not fitted
+    same_ctx = [CostSample(s.routing, 100, s.seconds) for s in samples]
+    assert "per_layer_context" not in fit_cost_model(same_ctx)[0].fitted
