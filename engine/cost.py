@@ -25,7 +25,6 @@ measured (routing, seconds) samples instead.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from engine.placement import ExpertPlacement, assign_ranks
 CONF_DIR = Path(conf.__file__).resolve().parent
 LAUNCHES_PER_LAYER = 12  # norms, qkv, rope, attention, o-proj, router, top-r, permute, 2 GEMMs, combine, add
 LAUNCHES_PER_FORWARD = 4  # embedding, final norm, lm_head, sampling
+PHASES = ("attention", "router", "expert_gemm", "dispatch", "combine", "other")
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,12 @@ def _load_yaml_dataclass(cls: type, group: str, name_or_path: str | Path) -> Any
     missing = [n for n in required if n not in raw]
     unknown = [k for k in raw if k not in fields]
     if missing or unknown:
-        raise ValueError(f"{path}: missing field(s) {missing}, unknown field(s) {unknown} for {cls.__name__}")
+        problems = [
+            f"{kind} field(s) {', '.join(names)}"
+            for kind, names in (("missing", missing), ("unknown", unknown))
+            if names
+        ]
+        raise ValueError(f"{path}: {'; '.join(problems)} for {cls.__name__}")
     values = {}
     for key, value in raw.items():
         kind = fields[key].type.__name__ if isinstance(fields[key].type, type) else str(fields[key].type)
@@ -223,8 +228,7 @@ class CostBreakdown:
         return self.attention + self.router + self.expert_gemm + self.dispatch + self.combine + self.other
 
     def as_dict(self) -> dict[str, float]:
-        phases = ("attention", "router", "expert_gemm", "dispatch", "combine", "other")
-        return {**{p: getattr(self, p) for p in phases}, "total": self.total}
+        return {**{p: getattr(self, p) for p in PHASES}, "total": self.total}
 
 
 def expected_distinct_experts(num_experts: int, top_r: int, num_tokens: float) -> float:
@@ -330,7 +334,7 @@ class RooflineCost:
         n = int(routing[0].shape[0]) if len(routing) else 0
         if token_rank is None:
             token_rank = torch.zeros(n, dtype=torch.long)
-        parts = dict.fromkeys(("attention", "router", "expert_gemm", "dispatch", "combine", "other"), 0.0)
+        parts = dict.fromkeys(PHASES, 0.0)
         per_layer = []
         launch = LAUNCHES_PER_LAYER * self.hw.launch_overhead
         attn = self._attention_time(n, context_len)
@@ -350,9 +354,8 @@ class RooflineCost:
             router = self._router_time(n)
             ids = expert_ids.reshape(-1).long()
             if self.layout is None:
-                expert = self._experts_time(torch.bincount(ids, minlength=s.num_experts)) + self._shared_time(
-                    n
-                )
+                counts = torch.bincount(ids, minlength=s.num_experts)  # [E] tokens per expert
+                expert = self._experts_time(counts) + self._shared_time(n)
                 dispatch = 0.0
             else:
                 placement = self.layout[layer]
@@ -402,10 +405,7 @@ class RooflineCost:
                     for _ in range(s.num_moe_layers)
                 ]
                 costs.append(self.forward_cost(routing, context_len))
-            mean = {
-                k: sum(getattr(c, k) for c in costs) / num_samples
-                for k in ("attention", "router", "expert_gemm", "dispatch", "combine", "other")
-            }
+            mean = {k: sum(getattr(c, k) for c in costs) / num_samples for k in PHASES}
             per_layer = tuple(float(np.mean([c.per_layer[i] for c in costs])) for i in range(s.num_layers))
             return CostBreakdown(**mean, per_layer=per_layer)
         base = self.forward_cost(
@@ -495,6 +495,4 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
     for j, c in zip(keep, coef):
         values[j] = float(c)
     model = FittedCost(*values, fitted=tuple(names[j] for j in keep))
-    r2 = r_squared(X @ np.array(values), y)
-    assert math.isfinite(r2)
-    return model, r2
+    return model, r_squared(X @ np.array(values), y)

@@ -35,11 +35,22 @@ MAX_TREE_NODES = 64
 
 
 class Drafter(Protocol):
-    def start(self, seq_id: int, tokens: list[int]) -> None: ...
+    """What the engine calls. `target_hidden` is the target's final hidden state [n, D] of the tokens
+    just run through the target (prompt minus its last token at start; the tree nodes at commit), for
+    drafters that read target features (EAGLE, MTP); others ignore it."""
+
+    def start(self, seq_id: int, tokens: list[int], target_hidden: torch.Tensor | None = None) -> None: ...
     def draft(
         self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
     ) -> DraftTree: ...
-    def commit(self, seq_id: int, tokens: list[int], tree: DraftTree, accepted: list[int]) -> None: ...
+    def commit(
+        self,
+        seq_id: int,
+        tokens: list[int],
+        tree: DraftTree,
+        accepted: list[int],
+        target_hidden: torch.Tensor | None = None,
+    ) -> None: ...
     def finish(self, seq_id: int) -> None: ...
 
 
@@ -83,13 +94,22 @@ class ModelDrafter:
     def __init__(self, model: Model, block_size: int = 16, num_blocks: int = 256, backend: str = "auto") -> None:
         self.model = model
         model.set_backend(backend)
-        cfg = model.config
-        self.kv = PagedKVCache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, model.dtype, model.device
-        )
+        self.block_size = block_size
+        self.kv = self._new_cache(num_blocks)
         self.seqs: dict[int, _DraftSeq] = {}
 
-    def start(self, seq_id: int, tokens: list[int]) -> None:
+    def _new_cache(self, num_blocks: int) -> PagedKVCache:
+        cfg, m = self.model.config, self.model
+        return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, self.block_size, m.dtype, m.device)
+
+    def prepare(self, lengths: list[int]) -> None:
+        """Size the cache for sequences of these maximal lengths (+ one round's scratch each)."""
+        need = sum(-(-(n + 1) // self.block_size) + -(-MAX_TREE_NODES // self.block_size) for n in lengths)
+        if need > self.kv.num_blocks:
+            self.kv.check_quiescent()
+            self.kv = self._new_cache(need)
+
+    def start(self, seq_id: int, tokens: list[int], target_hidden: torch.Tensor | None = None) -> None:
         self.kv.add_sequence(seq_id)
         self.seqs[seq_id] = _DraftSeq()
 
@@ -223,7 +243,14 @@ class ModelDrafter:
         logits = self._logits([item])
         return {i: logits[j] for j, i in enumerate(nodes)}
 
-    def commit(self, seq_id: int, tokens: list[int], tree: DraftTree, accepted: list[int]) -> None:
+    def commit(
+        self,
+        seq_id: int,
+        tokens: list[int],
+        tree: DraftTree,
+        accepted: list[int],
+        target_hidden: torch.Tensor | None = None,
+    ) -> None:
         """Copy K/V of accepted (and fed) nodes to committed positions; release the scratch."""
         seq = self.seqs[seq_id]
         copied = 0
@@ -254,13 +281,13 @@ class NGramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
-    def start(self, seq_id: int, tokens: list[int]) -> None:
+    def start(self, seq_id: int, tokens: list[int], target_hidden: torch.Tensor | None = None) -> None:
         pass
 
     def finish(self, seq_id: int) -> None:
         pass
 
-    def commit(self, seq_id: int, tokens: list[int], tree: DraftTree, accepted: list[int]) -> None:
+    def commit(self, seq_id, tokens, tree, accepted, target_hidden=None) -> None:
         pass
 
     def _continuations(self, tokens: list[int], depth: int, width: int) -> list[list[int]]:

@@ -191,10 +191,12 @@ class Engine:
                 )
             )
         try:
-            self._prefill(reqs, kv)
+            prefill_hidden = self._prefill(reqs, kv)
             if self.drafter is not None:
+                if hasattr(self.drafter, "prepare"):
+                    self.drafter.prepare([len(p) + max_new_tokens for p in prompts])
                 for r in reqs:
-                    self.drafter.start(r.index, r.tokens)
+                    self.drafter.start(r.index, r.tokens, target_hidden=prefill_hidden.get(r.index))
             active = list(reqs)
             while self._any_active(bool(active)):
                 if not active:
@@ -242,18 +244,28 @@ class Engine:
         return kv
 
     # ------------------------------------------------------------------ forward helpers
-    def _prefill(self, reqs: list[_Request], kv: PagedKVCache) -> None:
-        """Cache every prompt token but the last (which is the first round's root)."""
-        items = []
+    def _prefill(self, reqs: list[_Request], kv: PagedKVCache) -> dict[int, torch.Tensor]:
+        """Cache every prompt token but the last (which is the first round's root).
+
+        Returns the target's final hidden states [len(prompt) - 1, D] per request (for feature drafters)."""
+        items, owners = [], []
         for r in reqs:
             n = len(r.prompt) - 1
             if n > 0:
                 slots = r.slot_table[:n].cpu()
                 items.append(chain_item(r.prompt[:-1], slots[:0], slots))
+                owners.append(r)
+        hidden: dict[int, torch.Tensor] = {}
         if items:
-            self.target.forward_batch(pack(items, self.target.device), kv)
+            out = self.target.forward_batch(pack(items, self.target.device), kv)
+            off = 0
+            for r in owners:
+                n = len(r.prompt) - 1
+                hidden[r.index] = out.hidden[off : off + n]
+                off += n
         elif self.ep is not None:
             self.ep.idle_step()
+        return hidden
 
     def _any_active(self, local: bool) -> bool:
         return local if self.ep is None else bool(self.ep.any_active(local))
@@ -301,7 +313,7 @@ class Engine:
             kv.release_scratch(r.index)
             committed = self._commit(r, result.committed_tokens, eos_token_id)
             if self.drafter is not None:
-                self.drafter.commit(r.index, r.tokens, tree, accepted)
+                self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=out.hidden[off : off + n])
             book = time.perf_counter() - t1
             stats = self._round_stats(r, tree, s, result, committed, out, off, n, phase, forward_seconds, book)
             r.rounds.append(stats)

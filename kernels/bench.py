@@ -145,13 +145,13 @@ def time_eager(fns: list[Callable[[], torch.Tensor]], iters: int, cuda: bool) ->
     """Seconds per call of `fns` run eagerly (wall clock; synchronised on CUDA)."""
     for fn in fns:
         fn()
-    if cuda:
+    if cuda and torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         for fn in fns:
             fn()
-    if cuda:
+    if cuda and torch.cuda.is_available():
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / (iters * len(fns))
 
@@ -224,10 +224,10 @@ def tune_grid(T: int) -> list[MoeBlockConfig]:
     return [MoeBlockConfig(m, n, k, w, s) for m, n, k, w, s in grid]
 
 
-def run_gpu(cfg: BenchConfig) -> None:
+def run_gpu(cfg: BenchConfig, device: str = "cuda") -> None:
     """The GPU table (and, with `tune`, the block-size sweep) for every model shape and token count."""
     dtype = getattr(torch, cfg.dtype)
-    device_name = torch.cuda.get_device_name()
+    device_name = torch.cuda.get_device_name() if device == "cuda" else device
     bw = cfg.hbm_bw or next((v for k, v in PEAK_HBM_BW.items() if k in device_name), None)
     if bw is None:
         bw = DEFAULT_HBM_BW
@@ -238,18 +238,16 @@ def run_gpu(cfg: BenchConfig) -> None:
     print(HEADER)
     for model in cfg.models:
         shape = MODELS[model]
-        w_gate_up, w_down = make_weights(shape, dtype, "cuda")
+        w_gate_up, w_down = make_weights(shape, dtype, device)
         for T in cfg.tokens:
-            cases = [make_case(shape, T, dtype, "cuda", gen) for _ in range(cfg.rotations)]
+            cases = [make_case(shape, T, dtype, device, gen) for _ in range(cfg.rotations)]
             nbytes = sum(c.bytes_read for c in cases) / len(cases)
             U = nbytes / shape.expert_bytes(dtype)
             t_tri, mode = time_graph(bind(cases, w_gate_up, w_down), cfg.iters)
             if mode != "graph":
                 print(f"(graph capture failed for T={T}: eager timing, includes launch overhead)")
-            out, ref = (
-                fn().float()
-                for fn in (bind(cases[:1], w_gate_up, w_down, f)[0] for f in (fused_moe, fused_moe_ref))
-            )
+            out = bind(cases[:1], w_gate_up, w_down, fused_moe)[0]().float()
+            ref = bind(cases[:1], w_gate_up, w_down, fused_moe_ref)[0]().float()
             err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
             t_ref = None
             if cfg.reference:

@@ -25,7 +25,7 @@ class ScriptedTarget(Model):
         logits = torch.full((len(pos), self.vocab_size), -10.0)
         for i, p in enumerate(pos):
             logits[i, self.script[p + 1]] = 10.0
-        return ForwardOutput(logits=logits, hidden=torch.zeros(len(pos), 1), routing=None)
+        return ForwardOutput(logits=logits, hidden=torch.zeros(len(pos), self.config.hidden_size), routing=None)
 
 
 class ScriptedDrafter:
@@ -34,13 +34,13 @@ class ScriptedDrafter:
     def __init__(self, script: list[int], miss_depth: int | None, vocab: int = 97, tree: bool = False) -> None:
         self.script, self.miss_depth, self.vocab, self.tree = script, miss_depth, vocab, tree
 
-    def start(self, seq_id, tokens):
+    def start(self, seq_id, tokens, target_hidden=None):
         pass
 
     def finish(self, seq_id):
         pass
 
-    def commit(self, seq_id, tokens, tree, accepted):
+    def commit(self, seq_id, tokens, tree, accepted, target_hidden=None):
         pass
 
     def draft(self, seq_id, tokens, spec, params, generator):

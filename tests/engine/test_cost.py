@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.cost import (
+    CONF_DIR,
     CostSample,
     HardwareProfile,
     ModelSpec,
@@ -169,7 +170,7 @@ def test_shipped_profiles_and_specs_load():
 
 
 def test_missing_field_and_unknown_name(tmp_path):
-    text = (load_hardware.__globals__["CONF_DIR"] / "hardware" / "h100.yaml").read_text()
+    text = (CONF_DIR / "hardware" / "h100.yaml").read_text()
     broken = tmp_path / "broken.yaml"
     broken.write_text("\n".join(line for line in text.splitlines() if not line.startswith("hbm_bandwidth")))
     with pytest.raises(ValueError, match="hbm_bandwidth"):

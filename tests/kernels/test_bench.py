@@ -39,3 +39,24 @@ def test_bench_gpu_smoke(tmp_path: Path) -> None:
     proc = run_bench(tmp_path, "models=[qwen3_30b_a3b]", "tokens=[8]", "iters=2", "rotations=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "qwen3_30b_a3b" in proc.stdout
+
+
+def test_bench_gpu_table_logic_on_cpu(triton_cpu: None, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The GPU table and tune output, driven on CPU tensors (interpreter) with eager timing."""
+    from kernels import bench
+    from kernels.fused_moe import MoeBlockConfig
+
+    monkeypatch.setattr(
+        bench, "time_graph", lambda fns, iters: (bench.time_eager(fns, 1, cuda=False), "graph")
+    )
+    monkeypatch.setattr(bench, "tune_grid", lambda T: [MoeBlockConfig(), MoeBlockConfig(BLOCK_N=32)])
+    cfg = bench.BenchConfig(
+        models=["cpu_tiny"], tokens=[1, 4], dtype="float32", iters=1, rotations=2, tune=True
+    )
+    bench.run_gpu(cfg, device="cpu")
+    out = capsys.readouterr().out
+    assert "unknown GPU 'cpu'" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("cpu_tiny")]
+    assert [int(r[1]) for r in rows] == [1, 4]
+    assert all(float(r[5]) > 0 and float(r[-1]) < 1e-4 for r in rows)  # Triton timed, matches reference
+    assert '"max_tokens": 4' in out and out.count("tuned MoeBlockConfig") == 2
