@@ -275,7 +275,7 @@ class ExpertParallel:
     @torch.no_grad()
     def idle_step(self) -> None:
         """The MoE collectives of one forward with zero local tokens: every layer's fn, in layer order."""
-        for fn in self.fns:
+        for fn in self.fns[:-1]:
             b = fn.block
             w = b.experts.gate_up_proj
             hidden = w.new_empty(0, w.shape[-1])  # [0, D]

@@ -1,0 +1,168 @@
+"""`python -m engine.bench spec`: exact speculative decoding sweep on the tiny target.
+
+For each workload (code, prose) and drafter (dense model, n-gram, EAGLE / MTP heads when trained):
+tokens/s, speed-up over target-only decoding measured in the same run, τ, acceptance by depth,
+mean distinct experts per layer per verification vs verified tokens (against the uniform-routing
+curve M·[1 − (1 − r/M)^n]), drafter latency and memory, and transformers assisted generation with
+the same dense drafter, interleaved with our best configuration. Greedy decoding, batch 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .bench import BenchConfig, _paths, _prompts
+
+
+def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
+    import engine
+
+    from .zoo import ZOO_DIR
+
+    _, drafter_path = _paths(cfg)
+    out: dict[str, Any] = {"dense": engine.load_model(drafter_path), "ngram": "ngram"}
+    try:  # feature heads are optional (trained by python -m engine.train_heads)
+        from .eagle import load_eagle_drafter
+
+        for name in ("eagle-head", "mtp-head"):
+            path = ZOO_DIR / name
+            if path.is_dir():
+                out[name.removesuffix("-head")] = load_eagle_drafter(path, target)
+    except ImportError:
+        pass
+    return out
+
+
+def _run(eng, prompts, n, spec) -> dict:
+    t0 = time.perf_counter()
+    res = eng.generate(prompts, n, spec=spec)
+    wall = time.perf_counter() - t0
+    rounds = [r for x in res for r in x.rounds]
+    toks = sum(len(x.token_ids) for x in res)
+    K = spec.depth if spec else 0
+    att = [sum(r.attempted_by_depth[d] for r in rounds if len(r.attempted_by_depth) > d) for d in range(K)]
+    acc = [sum(r.accepted_by_depth[d] for r in rounds if len(r.accepted_by_depth) > d) for d in range(K)]
+    return {
+        "wall": wall,
+        "tok_s": toks / wall,
+        "tau": toks / max(len(rounds), 1),
+        "accept_by_depth": [a / t if t else None for a, t in zip(acc, att)],
+        "draft_s_per_round": statistics.mean(r.time.get("draft", 0.0) for r in rounds),
+        "verify_s_per_round": statistics.mean(r.time.get("forward", 0.0) for r in rounds),
+        "verified_tokens": statistics.mean(r.verified_tokens for r in rounds),
+        "distinct_experts": statistics.mean(r.mean_distinct_experts for r in rounds) if rounds else 0.0,
+        "footprint": [(r.verified_tokens, r.mean_distinct_experts) for r in rounds],
+        "tokens": [x.token_ids for x in res],
+    }
+
+
+def bench_spec(cfg: BenchConfig) -> dict:
+    import engine
+
+    target_path, drafter_path = _paths(cfg)
+    target = engine.load_model(target_path)
+    drafters = _drafters(cfg, target)
+    M, r = target.config.num_experts, target.config.top_r
+    report: dict[str, Any] = {"config": {k: getattr(cfg, k) for k in ("new_tokens", "num_prompts", "repeats")}}
+    for wl in ("code", "prose"):
+        cfg_wl = BenchConfig(**{**cfg.__dict__, "workload": wl})
+        prompts = _prompts(cfg_wl, target.tokenizer, cfg.num_prompts)
+        base_eng = engine.Engine(target)
+        base_eng.generate(prompts[:1], 8)
+        base = _run(base_eng, prompts, cfg.new_tokens, None)
+        rows = []
+        footprint: dict[int, list[float]] = defaultdict(list)
+        for dname, drafter in drafters.items():
+            eng = engine.Engine(target, drafter=drafter)
+            for K in cfg.depths:
+                for W in cfg.widths if K > 0 else [1]:
+                    if dname == "ngram" and W > 2:
+                        continue
+                    spec = engine.SpecConfig(depth=K, width=W)
+                    # interleave with target-only runs so the speed-up is side by side
+                    runs, bases = [], []
+                    for _ in range(cfg.repeats):
+                        runs.append(_run(eng, prompts, cfg.new_tokens, spec))
+                        bases.append(_run(base_eng, prompts, cfg.new_tokens, None))
+                    run = min(runs, key=lambda x: x["wall"])
+                    b = min(bases, key=lambda x: x["wall"])
+                    exact = run["tokens"] == base["tokens"]
+                    for n, u in run.pop("footprint"):
+                        footprint[n].append(u)
+                    run.pop("tokens")
+                    rows.append({"drafter": dname, "K": K, "W": W, **run, "speedup": b["wall"] / run["wall"],
+                                 "exact": exact})
+        curve = [
+            {"n": n, "distinct": statistics.mean(v), "uniform": M * (1 - (1 - r / M) ** n)}
+            for n, v in sorted(footprint.items())
+        ]
+        best = max((x for x in rows if x["exact"]), key=lambda x: x["speedup"])
+        best_dense = max((x for x in rows if x["exact"] and x["drafter"] == "dense"), key=lambda x: x["speedup"])
+        section = {"rows": rows, "footprint_curve": curve, "best": best, "best_dense": best_dense,
+                   "target_only_tok_s": base["tok_s"]}
+        if cfg.hf:
+            section["assisted"] = _vs_assisted(cfg, target, drafters["dense"], target_path, drafter_path, prompts,
+                                               best_dense)
+        section["drafter_memory_mb"] = {
+            k: sum(p.numel() * p.element_size() for p in d.parameters()) / 1e6
+            for k, d in drafters.items()
+            if hasattr(d, "parameters")
+        }
+        report[wl] = section
+    return report
+
+
+def _vs_assisted(cfg, target, drafter, target_path, drafter_path, prompts, best) -> dict:
+    """transformers assisted generation with the same drafter vs our best exact config, interleaved."""
+    import transformers
+
+    import engine
+
+    hf_t = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    hf_d = transformers.AutoModelForCausalLM.from_pretrained(drafter_path, dtype=torch.float32).eval()
+    eng = engine.Engine(target, drafter=drafter, instrument=False, timing=False)
+    spec = engine.SpecConfig(depth=best["K"], width=best["W"])
+    ours_t, hf_t_list, match = [], [], True
+    for _ in range(cfg.repeats):
+        for p in prompts:
+            t0 = time.perf_counter()
+            out = eng.generate([p], cfg.new_tokens, spec=spec)[0].token_ids
+            ours_t.append(time.perf_counter() - t0)
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                ref = hf_t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_d, do_sample=False,
+                                    max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, pad_token_id=0)
+            hf_t_list.append(time.perf_counter() - t0)
+            match &= ref[0, len(p):].tolist() == out
+    ours, theirs = sum(ours_t), sum(hf_t_list)
+    return {"ours_s": ours, "hf_assisted_s": theirs, "speedup": theirs / ours, "same_tokens": match,
+            "config": f"{best['drafter']} K={best['K']} W={best['W']}"}
+
+
+def print_spec(res: dict) -> None:
+    for wl in ("code", "prose"):
+        s = res[wl]
+        print(f"\n== {wl}: exact speculative decoding (greedy, batch 1), target-only {s['target_only_tok_s']:.0f} tok/s ==")
+        print(f"{'drafter':>8} {'K':>2} {'W':>2} {'tok/s':>7} {'speedup':>7} {'tau':>5} {'n':>5} {'U_l':>5} "
+              f"{'draft ms':>8} {'verify ms':>9}  acceptance by depth")
+        for x in s["rows"]:
+            acc = " ".join("-" if a is None else f"{a:.2f}" for a in x["accept_by_depth"])
+            print(f"{x['drafter']:>8} {x['K']:>2} {x['W']:>2} {x['tok_s']:>7.0f} {x['speedup']:>6.2f}x {x['tau']:>5.2f} "
+                  f"{x['verified_tokens']:>5.1f} {x['distinct_experts']:>5.2f} {x['draft_s_per_round'] * 1e3:>8.2f} "
+                  f"{x['verify_s_per_round'] * 1e3:>9.2f}  {acc}{'' if x['exact'] else '  NOT EXACT'}")
+        print("\ndistinct experts per layer per verification vs verified tokens (uniform routing in brackets):")
+        print("  " + "  ".join(f"n={c['n']}: {c['distinct']:.2f} ({c['uniform']:.2f})" for c in s["footprint_curve"]))
+        b = s["best"]
+        print(f"\nbest exact: {b['drafter']} K={b['K']} W={b['W']}: {b['speedup']:.2f}x over target-only")
+        if "assisted" in s:
+            a = s["assisted"]
+            print(f"best dense-drafter config vs transformers assisted generation (same pair, interleaved): "
+                  f"{a['speedup']:.2f}x faster "
+                  f"({a['config']}; identical tokens: {a['same_tokens']})")
+        print("drafter memory (MB):", {k: round(v, 2) for k, v in s["drafter_memory_mb"].items()})
