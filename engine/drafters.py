@@ -291,21 +291,21 @@ class NGramDrafter:
         pass
 
     def _continuations(self, tokens: list[int], depth: int, width: int) -> list[list[int]]:
+        """Up to `width` continuations with distinct first tokens, for the longest matching suffix;
+        per first token the longest continuation (most recent on ties)."""
         T = len(tokens)
         for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
             suffix = tokens[T - n :]
-            found: list[list[int]] = []
-            firsts: set[int] = set()
+            best: dict[int, list[int]] = {}
             for start in range(T - n - 1, -1, -1):  # most recent earlier match first
                 if tokens[start : start + n] == suffix:
                     cont = tokens[start + n : start + n + depth]
-                    if cont and cont[0] not in firsts:
-                        firsts.add(cont[0])
-                        found.append(cont)
-                        if len(found) == width:
-                            break
-            if found:
-                return found
+                    if cont and len(cont) > len(best.get(cont[0], [])):
+                        if cont[0] not in best and len(best) == width:
+                            continue
+                        best[cont[0]] = cont
+            if best:
+                return list(best.values())
         return []
 
     def draft(

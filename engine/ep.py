@@ -227,7 +227,9 @@ class ExpertParallelFn:
             valid = recv_ids >= 0
             local_ids = torch.where(valid, self.local_index[recv_ids.clamp(min=0)], -1)  # [m, r]
             if bool((local_ids[valid] < 0).any()):
-                raise RuntimeError(f"layer {self.layer}: rank {self.group.rank} received an expert it does not hold")
+                raise RuntimeError(
+                    f"layer {self.layer}: rank {self.group.rank} received an expert it does not hold"
+                )
             partial = kernels.fused_moe(
                 recv_rows[:, :D].contiguous(),
                 w_gate_up,
@@ -243,7 +245,9 @@ class ExpertParallelFn:
         if self.records is not None:
             src = torch.repeat_interleave(torch.arange(W, device=dev), recv_counts)  # [m]
             self.records.append(
-                DispatchRecord(self.layer, src.cpu(), recv_ids.cpu(), recv_rows[:, :D].cpu(), tuple(send_split))
+                DispatchRecord(
+                    self.layer, src.cpu(), recv_ids.cpu(), recv_rows[:, :D].cpu(), tuple(send_split)
+                )
             )
         self.rows_sent += len(tok)
         self.rows_received += m
@@ -275,7 +279,7 @@ class ExpertParallel:
     @torch.no_grad()
     def idle_step(self) -> None:
         """The MoE collectives of one forward with zero local tokens: every layer's fn, in layer order."""
-        for fn in self.fns[:-1]:
+        for fn in self.fns:
             b = fn.block
             w = b.experts.gate_up_proj
             hidden = w.new_empty(0, w.shape[-1])  # [0, D]

@@ -177,7 +177,8 @@ def _print_loads(cfg: EPRunConfig, everyone: list, placements) -> None:
     print("rank  requests  new_tokens  rows_received  assignments served per layer   seconds")
     for w, d in enumerate(everyone):
         n_new = sum(len(t) for t in d["tokens"])
-        print(f"{w:>4}  {len(d['prompts']):>8}  {n_new:>10}  {d['rows']:>13}  {str(d['loads']):<30} {d['seconds']:.3f}")
+        loads = str(d["loads"])
+        print(f"{w:>4}  {len(d['prompts']):>8}  {n_new:>10}  {d['rows']:>13}  {loads:<30} {d['seconds']:.3f}")
     for layer in range(L):
         loads = [d["loads"][layer] for d in everyone]
         mean = sum(loads) / world

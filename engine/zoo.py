@@ -235,7 +235,9 @@ def batches(windows: torch.Tensor, batch_size: int, steps: int, seed: int) -> It
         pos += batch_size
 
 
-def make_optimizer(model: Model, c: TrainConf) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: Model, c: TrainConf
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (weight decay on matrices only) + linear warmup and cosine decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -280,7 +282,11 @@ def _train_loop(
             tok_s = (step + 1) * batch.numel() / (time.perf_counter() - start)
             bar.set_postfix({**{k: f"{v:.3f}" for k, v in smooth.items()}, "tok/s": f"{tok_s:.0f}"})
     model.eval()
-    return {**{f"final_{k}": v for k, v in smooth.items()}, "steps": c.steps, "seconds": time.perf_counter() - start}
+    return {
+        **{f"final_{k}": v for k, v in smooth.items()},
+        "steps": c.steps,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def train_target(
@@ -416,7 +422,9 @@ class ZooResult:
     machine: dict
 
 
-def run(conf: ZooConf, out_dir: Path, shared_data: Path | None, log: Callable[[str], None] = lambda s: None) -> ZooResult:
+def run(
+    conf: ZooConf, out_dir: Path, shared_data: Path | None, log: Callable[[str], None] = lambda s: None
+) -> ZooResult:
     """Build the zoo into `out_dir` (`tiny-moe/`, `tiny-dense/`, `manifest.json`, `README.md`)."""
     wall0 = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -437,7 +445,11 @@ def run(conf: ZooConf, out_dir: Path, shared_data: Path | None, log: Callable[[s
     log(f"corpus: {split.sizes()} (shared data: {shared_data if have_shared else 'absent'})")
 
     t0 = time.perf_counter()
-    tok_texts = [d.text for c in split.corpora for d in corpus_lib.cap_documents(split.train.get(c, []), conf.tokenizer.train_chars)]
+    tok_texts = [
+        d.text
+        for c in split.corpora
+        for d in corpus_lib.cap_documents(split.train.get(c, []), conf.tokenizer.train_chars)
+    ]
     tok = corpus_lib.train_tokenizer(tok_texts, conf.tokenizer.vocab_size, conf.tokenizer.min_frequency)
     vocab = tok.get_vocab_size()
     train_streams = {c: corpus_lib.encode_stream(tok, split.train.get(c, [])) for c in split.corpora}
@@ -445,7 +457,10 @@ def run(conf: ZooConf, out_dir: Path, shared_data: Path | None, log: Callable[[s
     seconds["tokenizer"] = time.perf_counter() - t0
     T1 = conf.seq_len + 1
     train_windows = torch.cat([corpus_lib.windows(s, T1) for s in train_streams.values()])  # [W, T+1]
-    heldout = {c: corpus_lib.windows(s, T1, max(1, conf.eval_tokens // conf.seq_len)) for c, s in heldout_streams.items()}
+    heldout = {
+        c: corpus_lib.windows(s, T1, max(1, conf.eval_tokens // conf.seq_len))
+        for c, s in heldout_streams.items()
+    }
     heldout = {c: w for c, w in heldout.items() if w.shape[0]}
     token_counts = {
         c: {"train": train_streams[c].numel(), "heldout": heldout_streams[c].numel(),
@@ -465,16 +480,20 @@ def run(conf: ZooConf, out_dir: Path, shared_data: Path | None, log: Callable[[s
         with torch.no_grad():
             drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
     t0 = time.perf_counter()
-    drafter_stats = distill_drafter(drafter, target, train_windows, conf.drafter, conf.seed + 1, bf16, conf.progress)
+    drafter_stats = distill_drafter(
+        drafter, target, train_windows, conf.drafter, conf.seed + 1, bf16, conf.progress
+    )
     seconds["drafter"] = time.perf_counter() - t0
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tok_file = Path(tmp) / "tokenizer.json"
         tok.save(str(tok_file))
-        extra = {"tokenizer_config.json": json.dumps(_tokenizer_config(conf.seq_len), indent=2)}
+        extra = {"tokenizer_config.json": json.dumps(_tokenizer_config(max_pos), indent=2)}
         for name, model in (("tiny-moe", target), ("tiny-dense", drafter)):
-            save_model(model, out_dir / name, dtype=torch.bfloat16, tokenizer_json=tok_file, extra_files=extra)
+            save_model(
+                model, out_dir / name, dtype=torch.bfloat16, tokenizer_json=tok_file, extra_files=extra
+            )
 
     # Report on what ships: the bf16 folders re-loaded from disk into fp32.
     t0 = time.perf_counter()
@@ -531,6 +550,20 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def heldout_table(report: dict[str, dict[str, float]]) -> str:
+    """Markdown table of `evaluate`'s report."""
+    rows = [
+        "| corpus | tokens | target nats/tok | target ppl | drafter nats/tok | drafter ppl | top-1 agree |",
+        "|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for name, m in report.items():
+        rows.append(
+            f"| {name} | {m['tokens']} | {m['target_nats_per_token']:.3f} | {m['target_ppl']:.1f} | "
+            f"{m['drafter_nats_per_token']:.3f} | {m['drafter_ppl']:.1f} | {m['top1_agreement']:.3f} |"
+        )
+    return "\n".join(rows)
+
+
 def render_readme(r: ZooResult) -> str:
     """`zoo/README.md`: what the folders are, how they were made, and the held-out numbers."""
     t, d = r.target["hf_config"], r.drafter["hf_config"]
@@ -540,7 +573,7 @@ def render_readme(r: ZooResult) -> str:
         "Generated file; rebuild with `python -m engine.zoo` (same seed and machine: same weights).",
         "",
         f"- `tiny-moe/`: `qwen2_moe` target, hidden {t['hidden_size']}, {t['num_hidden_layers']} layers, "
-        f"{t['num_experts']} experts top-{t['num_experts_per_tok']} (expert dim {t['moe_intermediate_size']}), "
+        f"{t['num_experts']} experts top-{t['num_experts_per_tok']}, dim {t['moe_intermediate_size']}, "
         f"shared expert {t['shared_expert_intermediate_size']}, vocab {t['vocab_size']}, "
         f"{r.target['params'] / 1e6:.2f} M params, {r.checkpoint_bytes['tiny-moe'] / 1e6:.1f} MB (bf16)",
         f"- `tiny-dense/`: `{d['model_type']}` drafter distilled from the target, hidden {d['hidden_size']}, "
@@ -552,14 +585,8 @@ def render_readme(r: ZooResult) -> str:
         "",
         "Held-out text (fp32 forward of the shipped bf16 weights):",
         "",
-        "| corpus | tokens | target nats/tok | target ppl | drafter nats/tok | drafter ppl | top-1 agreement |",
-        "|---|---|---|---|---|---|---|",
+        heldout_table(r.heldout),
     ]
-    for name, m in r.heldout.items():
-        lines.append(
-            f"| {name} | {m['tokens']} | {m['target_nats_per_token']:.3f} | {m['target_ppl']:.1f} | "
-            f"{m['drafter_nats_per_token']:.3f} | {m['drafter_ppl']:.1f} | {m['top1_agreement']:.3f} |"
-        )
     curve = ", ".join(f"{k} {v:.2f}" for k, v in r.verify_cost_curve.items() if not k.startswith("ms_"))
     lines += [
         "",
@@ -590,17 +617,13 @@ def main(cfg) -> None:
     out_dir = Path(to_absolute_path(conf.out_dir))
     shared = _resolve_shared(conf.corpus.shared_data)
     result = run(conf, out_dir, shared, log=tqdm.write)
-    print(f"\nheld-out (shipped bf16 weights, fp32 forward) -> {out_dir}")
-    print(f"{'corpus':<8} {'tokens':>7} {'target nats':>11} {'ppl':>7} {'drafter nats':>12} {'ppl':>7} {'agree':>6}")
-    for name, m in result.heldout.items():
-        print(
-            f"{name:<8} {m['tokens']:>7} {m['target_nats_per_token']:>11.3f} {m['target_ppl']:>7.1f} "
-            f"{m['drafter_nats_per_token']:>12.3f} {m['drafter_ppl']:>7.1f} {m['top1_agreement']:>6.3f}"
-        )
+    print(f"\nheld-out (shipped bf16 weights, fp32 forward) -> {out_dir}\n")
+    print(heldout_table(result.heldout))
     curve = ", ".join(f"{k} {v:.2f}" for k, v in result.verify_cost_curve.items() if not k.startswith("ms_"))
-    print(f"target T(n)/T(1): {curve}")
+    print(f"\ntarget T(n)/T(1): {curve}")
     print(f"checkpoints (bytes): {result.checkpoint_bytes}")
-    print(f"wall time: {result.seconds['total']:.0f} s  ({', '.join(f'{k} {v:.0f}s' for k, v in result.seconds.items())})")
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items())
+    print(f"wall time: {result.seconds['total'] / 60:.1f} min ({phases})")
 
 
 if __name__ == "__main__":

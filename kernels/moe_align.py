@@ -65,7 +65,7 @@ def check_expert_ids(expert_ids: torch.Tensor, num_experts: int, check_values: b
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if not check_values or expert_ids.numel() == 0:
         return
-    lo, hi = int(expert_ids.min()), int(expert_ids.max())
+    lo, hi = (int(v) for v in torch.aminmax(expert_ids))  # one pass, one sync
     if lo < -1 or hi >= num_experts:
         raise ValueError(
             f"expert_ids must lie in [-1, {num_experts}) (-1 = expert not local), got min {lo}, max {hi}"

@@ -1,6 +1,6 @@
 """One rank of the multi-process expert-parallel tests (tests/engine/test_ep.py starts W of these).
 
-    python tests/engine/ep_worker.py --rank 0 --world 2 --store DIR/store --out DIR --checks engine,provenance
+    python tests/engine/ep_worker.py --rank 0 --world 2 --store DIR/store --out DIR --checks engine,edge_cases
 
 Joins a gloo group through a FileStore, runs the named checks in order and writes OUT/rank{R}.json
 ({check: "ok" or a traceback}). It stops at the first failing check: the other ranks' collective
@@ -21,16 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from hf_configs import tiny_config  # this file's folder is sys.path[0] when run as a script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import engine  # noqa: E402
-from engine.checkpoint import build_model, init_weights  # noqa: E402
-from engine.ep import EPGroup, ExpertParallel, shard_model  # noqa: E402
-from engine.placement import ExpertPlacement, place_experts  # noqa: E402
-from hf_configs import tiny_config  # noqa: E402
-from kernels import fused_moe_ref  # noqa: E402
+import engine
+from engine.checkpoint import build_model, init_weights
+from engine.ep import EPGroup, ExpertParallel, shard_model
+from engine.placement import ExpertPlacement, place_experts
+from kernels import fused_moe_ref
 
 NUM_EXPERTS = 8
 # three layers, the middle one dense: MoE layer indices 0 and 2
@@ -141,7 +138,12 @@ def check_engine(ctx: Ctx) -> None:
 def check_placements(ctx: Ctx) -> None:
     """round_robin, load_balanced, replicated (and weights kept) give the single-process tokens."""
     _, prompts, max_new, ref_tokens, ids, ref_logits = _reference(ctx)
-    for strategy, drop in [("round_robin", True), ("load_balanced", True), ("replicated", True), ("custom", False)]:
+    for strategy, drop in [
+        ("round_robin", True),
+        ("load_balanced", True),
+        ("replicated", True),
+        ("custom", False),
+    ]:
         model, ep = sharded(ctx, strategy, drop_remote=drop)
         out = engine.Engine(model, ep=ep).generate(prompts, max_new)
         assert [r.token_ids for r in out] == ref_tokens, strategy
@@ -166,7 +168,9 @@ def check_provenance(ctx: Ctx) -> None:
                 assert all(ctx.rank in placement.expert_ranks[e] for e in got.tolist()), strategy
                 for src in range(ctx.world):
                     src_ids, _ = routing(src, 3 + 4 * src, step, r)
-                    serve = torch.tensor([[expected_serving(e, src, placement) for e in row] for row in src_ids.tolist()])
+                    serve = torch.tensor(
+                        [[expected_serving(e, src, placement) for e in row] for row in src_ids.tolist()]
+                    )
                     mine = serve == ctx.rank  # [T_src, r]
                     tokens = mine.any(1).nonzero().squeeze(1)
                     rows = rec.source_ranks == src
@@ -187,7 +191,12 @@ def check_edge_cases(ctx: Ctx) -> None:
     model, ep = sharded(ctx, "contiguous", debug=True)
     r, D = model.config.top_r, model.config.hidden_size
     placement = ep.group.placements[0]
-    scenarios = [[0] * ctx.world, [0] + [5] * (ctx.world - 1), [1, 300, 0, 17][: ctx.world], [300] + [0] * (ctx.world - 1)]
+    scenarios = [
+        [0] * ctx.world,
+        [0] + [5] * (ctx.world - 1),
+        [1, 300, 0, 17][: ctx.world],
+        [300] + [0] * (ctx.world - 1),
+    ]
     for k, counts in enumerate(scenarios):
         T = counts[ctx.rank]
         ids, w = routing(ctx.rank, T, 10 + k, r)
@@ -211,8 +220,8 @@ def check_random_steps(ctx: Ctx) -> None:
     sent = 0
     for step in range(100):
         g = torch.Generator().manual_seed(step)
-        counts = [0 if float(torch.rand(1, generator=g)) < 0.3 else int(torch.randint(1, 8, (1,), generator=g))
-                  for _ in range(ctx.world)]  # fmt: skip
+        counts = [int(torch.randint(1, 8, (1,), generator=g)) for _ in range(ctx.world)]
+        counts = [0 if float(torch.rand(1, generator=g)) < 0.3 else c for c in counts]
         T = counts[ctx.rank]
         assert ep.any_active(T > 0) == any(counts)
         if not any(counts):

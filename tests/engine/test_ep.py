@@ -7,6 +7,7 @@ then reads its check's verdict from every rank. See ep_worker.py for what each c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -38,26 +39,27 @@ def _env() -> dict[str, str]:
 def _launch(world: int, tmp: Path) -> dict:
     """Run all checks on `world` ranks; returns {"ranks": [results per rank] | None per dead rank, "log"}."""
     tmp.mkdir(parents=True, exist_ok=True)
-    logs = [open(tmp / f"log{r}.txt", "w") for r in range(world)]
-    cmd = [sys.executable, str(WORKER), "--world", str(world), "--store", str(tmp / "store"), "--out", str(tmp)]
-    procs = [
-        subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, env=_env(), stdout=logs[r], stderr=subprocess.STDOUT)
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + WATCHDOG_S
+    cmd = [sys.executable, str(WORKER), f"--world={world}", f"--store={tmp / 'store'}", f"--out={tmp}"]
     timed_out = False
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    for p in procs:  # only the ranks started here
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for f in logs:
-        f.close()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(tmp / f"log{r}.txt", "w")) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [*cmd, f"--rank={r}"], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT
+            )
+            for r, log in enumerate(logs)
+        ]
+        deadline = time.monotonic() + WATCHDOG_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        for p in procs:  # only the ranks started here
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     ranks = []
     for r in range(world):
         out = tmp / f"rank{r}.json"
