@@ -22,19 +22,17 @@ from .bench import BenchConfig, _paths, _prompts
 def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
     import engine
 
-    from .zoo import ZOO_DIR
+    from .zoo import zoo_path
 
     _, drafter_path = _paths(cfg)
     out: dict[str, Any] = {"dense": engine.load_model(drafter_path), "ngram": "ngram"}
-    try:  # feature heads are optional (trained by python -m engine.train_heads)
-        from .eagle import load_eagle_drafter
-
-        for name in ("eagle-head", "mtp-head"):
-            path = ZOO_DIR / name
-            if path.is_dir():
-                out[name.removesuffix("-head")] = load_eagle_drafter(path, target)
-    except ImportError:
-        pass
+    for name in ("eagle-head", "mtp-head"):  # optional feature heads (python -m engine.train_heads)
+        try:
+            path = zoo_path(name)
+            from .eagle import load_eagle_drafter
+        except (FileNotFoundError, ImportError):
+            continue
+        out[name.removesuffix("-head")] = load_eagle_drafter(path, target)
     return out
 
 
