@@ -7,12 +7,10 @@
 Selection keeps a prefix-closed subset (every kept node's parent is kept):
 - λ = 0: the `max_verify` nodes of highest path probability (a parent's path probability is never
   below its child's, so the top-m set is prefix-closed by construction, ties broken by index);
-- λ > 0: greedy picks over the nodes whose parent is already selected, scored with the predicted
-  marginal expert cost ΔC (new (layer, expert) pairs a node adds to those already needed):
-  EcoSpec (2607.12696) `P_path / (ΔC + ε)` with the needed-pairs buffer updated after each pick, or
-  `log P_path − λ·ΔC`. Picking stops when the best score's node is worth less than its cost
-  (EcoSpec: when ΔC-weighted score falls under λ; logp: when the score falls under log P of a
-  no-cost node minus λ·r·L), or at `max_verify`.
+- λ > 0: `max_verify` greedy picks over the nodes whose parent is already selected, scored with the
+  predicted marginal expert cost ΔC (new (layer, expert) pairs a node adds to those already needed,
+  the buffer updated after each pick): EcoSpec (2607.12696) `P_path / (λ·ΔC + ε)` with ε = 1, or
+  `log P_path − λ·ΔC`. At equal verified tokens, λ trades path probability for fewer experts.
 
 Shape letters: N=nodes V=vocab L=MoE layers E=experts r=top-r.
 """
@@ -104,47 +102,36 @@ def select_expert_aware(
     lam: float,
     score: str = "ecospec",
     root_experts: torch.Tensor | None = None,
-    eps: float = 1.0,
 ) -> torch.Tensor:
-    """λ > 0: greedy prefix-closed selection by probability and predicted marginal expert cost.
+    """λ > 0: greedy prefix-closed selection of `max_verify` nodes by path probability and predicted
+    marginal expert cost ΔC (the (layer, expert) pairs a node adds to those already needed).
 
-    tree.predicted_experts [N, L, E] bool: the (layer, expert) pairs each node is predicted to touch.
-    root_experts [L, E] bool: pairs the root already needs (always verified).
-    EcoSpec score P/(ΔC + ε) with the buffer of needed pairs updated after each pick; a node is taken
-    only while P·(1 − λ·ΔC / (r·L)) > 0 keeps it worth verifying. logp score: log P − λ·ΔC, picking
-    while the score beats log P_min − λ... (no threshold beyond max_verify).
+    tree.predicted_experts [N, L, E] bool; root_experts [L, E] bool (default: the root's prediction).
+    Scores over the frontier of selectable nodes (parent already chosen), recomputed after each pick
+    because the buffer of needed pairs grows:
+      "ecospec" (2607.12696): P_path / (λ·ΔC + 1)   — λ = 0 is plain path probability
+      "logp":                 log P_path − λ·ΔC
+    Returns sorted node indices (root included).
     """
     pred = tree.predicted_experts
     if pred is None:
-        raise ValueError("λ > 0 needs predicted experts per node (an expert predictor on the drafter)")
+        raise ValueError("λ > 0 needs predicted experts per node (a drafter with an expert predictor)")
     n_nodes = tree.num_nodes
-    needed = root_experts.clone() if root_experts is not None else pred[0].clone()  # [L, E]
-    per_token = max(int(pred[0].sum()), 1)  # r * L: pairs one token needs
-    chosen = [0]
+    needed = (root_experts if root_experts is not None else pred[0]).clone()  # [L, E]
     selected = torch.zeros(n_nodes, dtype=torch.bool)
     selected[0] = True
-    parents = tree.parents
+    parents = tree.parents.clamp(min=0)
     probs = tree.path_prob.double()
-    while len(chosen) - 1 < max_verify:
-        cand = (~selected) & selected[parents.clamp(min=0)]
+    for _ in range(min(max_verify, n_nodes - 1)):
+        cand = (~selected) & selected[parents]
         cand[0] = False
         idx = cand.nonzero().squeeze(1)
         if idx.numel() == 0:
             break
         delta = (pred[idx] & ~needed).flatten(1).sum(1).double()  # [C] marginal pairs
         p = probs[idx]
-        if score == "ecospec":
-            s = p / (delta + eps)
-            # value of a node in committed tokens vs its expert cost in token-equivalents (λ-weighted)
-            worth = p - lam * delta / per_token
-        else:
-            s = torch.log(p.clamp_min(1e-30)) - lam * delta
-            worth = s - torch.log(torch.tensor(1e-30, dtype=torch.float64))
-        best = int(torch.argmax(s))
-        if float(worth[best]) <= 0:
-            break
-        node = int(idx[best])
-        chosen.append(node)
+        s = p / (lam * delta + 1.0) if score == "ecospec" else torch.log(p.clamp_min(1e-30)) - lam * delta
+        node = int(idx[int(torch.argmax(s))])  # ties: lowest index
         selected[node] = True
         needed |= pred[node]
-    return torch.tensor(sorted(chosen))
+    return selected.nonzero().squeeze(1)
