@@ -52,6 +52,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Inference RoPE: rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin] exactly (negation is exact),
+    two ops fewer. x [..., heads, hd]; cos, sin_signed [..., hd]."""
+    return x * cos.unsqueeze(-2) + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed.unsqueeze(-2)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., heads, hd]; cos/sin [..., hd] broadcast over heads."""
     half = x.shape[-1] // 2
@@ -120,12 +126,7 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., D] -> q [..., H, hd], k, v [..., Hkv, hd] with qk-norm and RoPE applied."""
         cfg = self.cfg
-        if torch.is_grad_enabled():
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            w, b = self._fused_qkv()
-            nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            q, k, v = F.linear(x, w, b).split([nq, nk, nk], dim=-1)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
@@ -136,6 +137,26 @@ class Attention(nn.Module):
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def qkv_inference(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+        """Same as `qkv` for packed tokens x [N, D] with one fused projection and one RoPE call for q and k."""
+        cfg = self.cfg
+        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        w, b = self._fused_qkv()
+        proj = F.linear(x, w, b)  # [N, (H + 2Hkv) hd]
+        if cfg.qk_norm == "none" and cfg.clip_qkv is None:
+            heads = proj.view(x.shape[0], H + 2 * Hkv, hd)
+            qk = apply_rope_signed(heads[:, : H + Hkv], cos, sin_signed)
+            return qk[:, :H], qk[:, H:], heads[:, H + Hkv :]
+        q, k, v = proj.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = q.reshape(-1, H, hd), k.reshape(-1, Hkv, hd), v.reshape(-1, Hkv, hd)
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope_signed(q, cos, sin_signed), apply_rope_signed(k, cos, sin_signed), v
 
     def _sdpa(self, q, k, v, mask, causal=False):
         """q [B, Tq, H, hd], k/v [B, S, Hkv, hd], mask [B, Tq, S] -> [B, Tq, H*hd]."""
@@ -157,7 +178,7 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv, layer: int) -> torch.Tensor:
         """x [N, D] packed tokens -> [N, D], writing their K/V into the cache first."""
-        q, k, v = self.qkv(x, cos, sin)  # [N, H, hd], [N, Hkv, hd]
+        q, k, v = self.qkv_inference(x, cos, sin)  # [N, H, hd], [N, Hkv, hd]
         kv.write(layer, batch.write_slots, k, v)
         keys, values = kv.read(layer, batch.read_slots)  # [B, S, Hkv, hd]
         B, Tq = batch.pad_index.shape
@@ -170,7 +191,7 @@ class Attention(nn.Module):
             out = out.reshape(B * Tq, -1)[_unpad_index(batch)]
         else:
             out = out[0]
-        return self.o_proj(out)
+        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 def _unpad_index(batch: ForwardBatch) -> torch.Tensor:
@@ -204,7 +225,7 @@ class DecoderLayer(nn.Module):
     def mlp_forward(self, h: torch.Tensor, record, router_logits: list | None, timer):
         """h [N, D] -> [N, D]."""
         if isinstance(self.mlp, MoEBlock):
-            out, logits = self.mlp(h, record=record, layer=self.layer, timer=timer)
+            out, logits = self.mlp.forward(h, record=record, layer=self.layer, timer=timer)
             if router_logits is not None:
                 router_logits.append(logits)
             return out
@@ -290,12 +311,14 @@ class Model(nn.Module):
         return self.forward(input_ids.to(self.device)).float()
 
     def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [max_position_embeddings, hd], computed once per dtype."""
+        """cos, sign-folded sin [max_position_embeddings, hd] (see apply_rope_signed), once per dtype."""
         table = self.__dict__.get("_rope")
         if table is None or table[0].dtype != dtype or table[0].device != self.device:
             cfg = self.config
             pos = torch.arange(cfg.max_position_embeddings, device=self.device)
-            table = self.__dict__["_rope"] = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
+            cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
+            half = cfg.head_dim // 2
+            table = self.__dict__["_rope"] = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
         return table
 
     # ------------------------------------------------------------------ cached forward
@@ -314,12 +337,13 @@ class Model(nn.Module):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]
             cos_table, sin_table = self._rope_table(h.dtype)
             cos, sin = cos_table[batch.positions], sin_table[batch.positions]
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers):  # .forward(): skip nn.Module hook dispatch
             with maybe_phase(timer, "attention"):
-                h = h + layer.self_attn.forward_cached(layer.input_layernorm(h), cos, sin, batch, kv, i)
-                x = layer.post_attention_layernorm(h)
+                x = layer.input_layernorm.forward(h)
+                h = h + layer.self_attn.forward_cached(x, cos, sin, batch, kv, i)
+                x = layer.post_attention_layernorm.forward(h)
             h = h + layer.mlp_forward(x, record, None, timer)
         with maybe_phase(timer, "lm_head"):
-            hidden = self.model.norm(h)
-            logits = self.lm_head(hidden)
+            hidden = self.model.norm.forward(h)
+            logits = F.linear(hidden, self.lm_head.weight)
         return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h)

@@ -143,7 +143,7 @@ class MoEBlock(nn.Module):
             if self.shared_expert is not None and shared_in is not None:
                 Fs = self.shared_expert.gate_proj.weight.shape[0]
                 act = F.silu(shared_in[:, :Fs]) * shared_in[:, Fs : 2 * Fs]
-                out = out + torch.sigmoid(shared_in[:, 2 * Fs :]) * self.shared_expert.down_proj(act)
+                out = out + torch.sigmoid(shared_in[:, 2 * Fs :]) * F.linear(act, self.shared_expert.down_proj.weight)
             elif self.shared_expert is not None:
                 out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if record is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from collections.abc import Iterator
 
 import torch
@@ -46,11 +46,9 @@ class PhaseTimer:
         return out
 
 
-@contextmanager
-def maybe_phase(timer: PhaseTimer | None, name: str) -> Iterator[None]:
-    """`timer.phase(name)` when a timer is given, else a no-op."""
-    if timer is None:
-        yield
-    else:
-        with timer.phase(name):
-            yield
+_NULL = nullcontext()
+
+
+def maybe_phase(timer: PhaseTimer | None, name: str):
+    """`timer.phase(name)` when a timer is given, else a shared no-op context."""
+    return _NULL if timer is None else timer.phase(name)
