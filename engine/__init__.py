@@ -1,9 +1,9 @@
 """expertspec engine: exact MoE speculative decoding over Hugging Face-format checkpoints.
 
-    import engine
-    target = engine.load_model(path)                       # HF folder -> engine.Model
-    eng = engine.Engine(target, drafter=engine.load_model(drafter_path))   # or "ngram" / None
-    results = eng.generate(prompts, 64, spec=engine.SpecConfig(depth=4, width=2))
+import engine
+target = engine.load_model(path)                       # HF folder -> engine.Model
+eng = engine.Engine(target, drafter=engine.load_model(drafter_path))   # or "ngram" / None
+results = eng.generate(prompts, 64, spec=engine.SpecConfig(depth=4, width=2))
 """
 
 from .checkpoint import CheckpointError, load_model, save_model

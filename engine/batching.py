@@ -37,7 +37,11 @@ def chain_item(tokens: list[int] | torch.Tensor, ctx_slots: torch.Tensor, write_
 
 
 def tree_item(
-    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ctx_slots: torch.Tensor, write_slots: torch.Tensor
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    ctx_slots: torch.Tensor,
+    write_slots: torch.Tensor,
 ) -> PackItem:
     """Tree nodes (node 0 = root at position c) after `ctx_slots` [c]; each node sees its ancestors."""
     from .draft_tree import ancestor_mask

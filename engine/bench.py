@@ -164,7 +164,12 @@ def _step_vs_bound(model, cfg: BenchConfig) -> dict:
     expert = 3 * cfgm.hidden_size * cfgm.moe_intermediate_size
     touched = (dense + len(cfgm.moe_layers) * mean_u * expert) * per_param
     bound = touched / cfg.mem_bandwidth
-    return {"step_seconds": step_s, "weight_bytes": touched, "bound_seconds": bound, "bound_ratio": step_s / bound}
+    return {
+        "step_seconds": step_s,
+        "weight_bytes": touched,
+        "bound_seconds": bound,
+        "bound_ratio": step_s / bound,
+    }
 
 
 def verify_cost_curve(model, sizes: list[int], repeats: int = 3) -> list[dict]:
@@ -205,13 +210,19 @@ def _print_decode(res: dict) -> None:
     print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
     for k, r in res.items():
         if k.startswith("batch"):
-            print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('hf_tok_s', float('nan')):>9.1f} "
-                  f"{r.get('speedup', float('nan')):>6.2f}x")
+            print(
+                f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('hf_tok_s', float('nan')):>9.1f} "
+                f"{r.get('speedup', float('nan')):>6.2f}x"
+            )
     s = res["step"]
-    print(f"\ndecode step {s['step_seconds'] * 1e3:.2f} ms vs weight-read bound {s['bound_seconds'] * 1e3:.2f} ms "
-          f"({s['weight_bytes'] / 1e6:.1f} MB touched): {s['bound_ratio']:.1f}x the bound")
-    print("\nverification cost curve T(n)/T(1): " + "  ".join(
-        f"n={r['tokens']}: {r['seconds'] * 1e3:.2f} ms ({r['ratio']:.2f}x)" for r in res["verify_curve"]))
+    print(
+        f"\ndecode step {s['step_seconds'] * 1e3:.2f} ms vs weight-read bound {s['bound_seconds'] * 1e3:.2f} ms "
+        f"({s['weight_bytes'] / 1e6:.1f} MB touched): {s['bound_ratio']:.1f}x the bound"
+    )
+    print(
+        "\nverification cost curve T(n)/T(1): "
+        + "  ".join(f"n={r['tokens']}: {r['seconds'] * 1e3:.2f} ms ({r['ratio']:.2f}x)" for r in res["verify_curve"])
+    )
     for w in res.get("warnings", []):
         print("WARNING:", w)
 
@@ -240,8 +251,12 @@ def _argv_mode() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in MODES:
         sys.argv[1] = f"mode={sys.argv[1]}"
     if not any(a.startswith("hydra.run.dir") for a in sys.argv):
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                     "hydra/hydra_logging=disabled"]
+        sys.argv += [
+            "hydra.run.dir=.",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
 
 
 if __name__ == "__main__":

@@ -93,19 +93,33 @@ def bench_spec(cfg: BenchConfig) -> dict:
                     for n, u in run.pop("footprint"):
                         footprint[n].append(u)
                     run.pop("tokens")
-                    rows.append({"drafter": dname, "K": K, "W": W, **run, "speedup": b["wall"] / run["wall"],
-                                 "exact": exact})
+                    rows.append(
+                        {
+                            "drafter": dname,
+                            "K": K,
+                            "W": W,
+                            **run,
+                            "speedup": b["wall"] / run["wall"],
+                            "exact": exact,
+                        }
+                    )
         curve = [
             {"n": n, "distinct": statistics.mean(v), "uniform": M * (1 - (1 - r / M) ** n)}
             for n, v in sorted(footprint.items())
         ]
         best = max((x for x in rows if x["exact"]), key=lambda x: x["speedup"])
         best_dense = max((x for x in rows if x["exact"] and x["drafter"] == "dense"), key=lambda x: x["speedup"])
-        section = {"rows": rows, "footprint_curve": curve, "best": best, "best_dense": best_dense,
-                   "target_only_tok_s": base["tok_s"]}
+        section = {
+            "rows": rows,
+            "footprint_curve": curve,
+            "best": best,
+            "best_dense": best_dense,
+            "target_only_tok_s": base["tok_s"],
+        }
         if cfg.hf:
-            section["assisted"] = _vs_assisted(cfg, target, drafters["dense"], target_path, drafter_path, prompts,
-                                               best_dense)
+            section["assisted"] = _vs_assisted(
+                cfg, target, drafters["dense"], target_path, drafter_path, prompts, best_dense
+            )
         section["drafter_memory_mb"] = {
             k: sum(p.numel() * p.element_size() for p in d.parameters()) / 1e6
             for k, d in drafters.items()
@@ -134,33 +148,53 @@ def _vs_assisted(cfg, target, drafter, target_path, drafter_path, prompts, best)
             ids = torch.tensor([p])
             t0 = time.perf_counter()
             with torch.inference_mode():
-                ref = hf_t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_d, do_sample=False,
-                                    max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, pad_token_id=0)
+                ref = hf_t.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    assistant_model=hf_d,
+                    do_sample=False,
+                    max_new_tokens=cfg.new_tokens,
+                    min_new_tokens=cfg.new_tokens,
+                    pad_token_id=0,
+                )
             hf_t_list.append(time.perf_counter() - t0)
-            match &= ref[0, len(p):].tolist() == out
+            match &= ref[0, len(p) :].tolist() == out
     ours, theirs = sum(ours_t), sum(hf_t_list)
-    return {"ours_s": ours, "hf_assisted_s": theirs, "speedup": theirs / ours, "same_tokens": match,
-            "config": f"{best['drafter']} K={best['K']} W={best['W']}"}
+    return {
+        "ours_s": ours,
+        "hf_assisted_s": theirs,
+        "speedup": theirs / ours,
+        "same_tokens": match,
+        "config": f"{best['drafter']} K={best['K']} W={best['W']}",
+    }
 
 
 def print_spec(res: dict) -> None:
     for wl in ("code", "prose"):
         s = res[wl]
-        print(f"\n== {wl}: exact speculative decoding (greedy, batch 1), target-only {s['target_only_tok_s']:.0f} tok/s ==")
-        print(f"{'drafter':>8} {'K':>2} {'W':>2} {'tok/s':>7} {'speedup':>7} {'tau':>5} {'n':>5} {'U_l':>5} "
-              f"{'draft ms':>8} {'verify ms':>9}  acceptance by depth")
+        print(
+            f"\n== {wl}: exact speculative decoding (greedy, batch 1), target-only {s['target_only_tok_s']:.0f} tok/s =="
+        )
+        print(
+            f"{'drafter':>8} {'K':>2} {'W':>2} {'tok/s':>7} {'speedup':>7} {'tau':>5} {'n':>5} {'U_l':>5} "
+            f"{'draft ms':>8} {'verify ms':>9}  acceptance by depth"
+        )
         for x in s["rows"]:
             acc = " ".join("-" if a is None else f"{a:.2f}" for a in x["accept_by_depth"])
-            print(f"{x['drafter']:>8} {x['K']:>2} {x['W']:>2} {x['tok_s']:>7.0f} {x['speedup']:>6.2f}x {x['tau']:>5.2f} "
-                  f"{x['verified_tokens']:>5.1f} {x['distinct_experts']:>5.2f} {x['draft_s_per_round'] * 1e3:>8.2f} "
-                  f"{x['verify_s_per_round'] * 1e3:>9.2f}  {acc}{'' if x['exact'] else '  NOT EXACT'}")
+            print(
+                f"{x['drafter']:>8} {x['K']:>2} {x['W']:>2} {x['tok_s']:>7.0f} {x['speedup']:>6.2f}x {x['tau']:>5.2f} "
+                f"{x['verified_tokens']:>5.1f} {x['distinct_experts']:>5.2f} {x['draft_s_per_round'] * 1e3:>8.2f} "
+                f"{x['verify_s_per_round'] * 1e3:>9.2f}  {acc}{'' if x['exact'] else '  NOT EXACT'}"
+            )
         print("\ndistinct experts per layer per verification vs verified tokens (uniform routing in brackets):")
         print("  " + "  ".join(f"n={c['n']}: {c['distinct']:.2f} ({c['uniform']:.2f})" for c in s["footprint_curve"]))
         b = s["best"]
         print(f"\nbest exact: {b['drafter']} K={b['K']} W={b['W']}: {b['speedup']:.2f}x over target-only")
         if "assisted" in s:
             a = s["assisted"]
-            print(f"best dense-drafter config vs transformers assisted generation (same pair, interleaved): "
-                  f"{a['speedup']:.2f}x faster "
-                  f"({a['config']}; identical tokens: {a['same_tokens']})")
+            print(
+                f"best dense-drafter config vs transformers assisted generation (same pair, interleaved): "
+                f"{a['speedup']:.2f}x faster "
+                f"({a['config']}; identical tokens: {a['same_tokens']})"
+            )
         print("drafter memory (MB):", {k: round(v, 2) for k, v in s["drafter_memory_mb"].items()})

@@ -29,7 +29,14 @@ from .model import Model
 _EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
-_PROJ_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PROJ_ROLE = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 
 
 class CheckpointError(ValueError):
@@ -113,8 +120,10 @@ def load_model(
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
-        raise CheckpointError(f"{path}: weights missing {missing[:8]}{'...' if len(missing) > 8 else ''}; "
-                              f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        raise CheckpointError(
+            f"{path}: weights missing {missing[:8]}{'...' if len(missing) > 8 else ''}; "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
     for key, meta in expected.items():
         if tuple(state[key].shape) != tuple(meta.shape):
             raise CheckpointError(

@@ -94,9 +94,7 @@ def parse_config(cfg: dict) -> ModelConfig:
     """Map an HF config dict onto `ModelConfig`; raise `ModelConfigError` on anything unsupported."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelConfigError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ModelConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     g = lambda k, d=...: _get(cfg, k, d, model_type)  # noqa: E731
     hidden = int(g("hidden_size"))
     heads = int(g("num_attention_heads"))

@@ -73,9 +73,11 @@ def main(cfg: DemoConfig) -> None:
     sampling = engine.SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     spec = engine.SpecConfig(depth=cfg.depth, width=cfg.width)
     c = target.config
-    print(f"target: {c.model_type}, {c.num_layers} layers, {c.num_experts} experts top-{c.top_r}, "
-          f"{sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; drafter: "
-          f"{drafter.config.model_type}, {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params")
+    print(
+        f"target: {c.model_type}, {c.num_layers} layers, {c.num_experts} experts top-{c.top_r}, "
+        f"{sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; drafter: "
+        f"{drafter.config.model_type}, {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params"
+    )
     runs = {
         "target-only": engine.Engine(target),
         f"dense drafter K={cfg.depth} W={cfg.width}": engine.Engine(target, drafter=drafter),
@@ -85,29 +87,42 @@ def main(cfg: DemoConfig) -> None:
     for name, eng in runs.items():
         eng.generate(ids[:1], 4, sampling=sampling, spec=None if name == "target-only" else spec)  # warm-up
         t0 = time.perf_counter()
-        results[name] = eng.generate(ids, cfg.new_tokens, sampling=sampling,
-                                     spec=None if name == "target-only" else spec)
+        results[name] = eng.generate(
+            ids, cfg.new_tokens, sampling=sampling, spec=None if name == "target-only" else spec
+        )
         walls[name] = time.perf_counter() - t0
     base = results["target-only"]
     if cfg.show_text:
         for p, r in zip(prompts, base):
             print(f"\n--- {p.category} prompt ---\n{p.text[-300:]}\n--- continuation ({len(r.token_ids)} tokens) ---")
             print(tok.decode(r.token_ids))
-    print(f"\n{'decoding':<28} {'tok/s':>7} {'speed-up':>8} {'tau':>5} {'n':>5} {'experts/layer':>13}  "
-          f"acceptance by depth   identical")
+    print(
+        f"\n{'decoding':<28} {'tok/s':>7} {'speed-up':>8} {'tau':>5} {'n':>5} {'experts/layer':>13}  "
+        f"acceptance by depth   identical"
+    )
     for name, res in results.items():
         s = _summary(res)
         toks = sum(len(r.token_ids) for r in res)
         same = [r.token_ids for r in res] == [r.token_ids for r in base]
         acc = " ".join(f"{a:.2f}" for a in s["acc"]) or "-"
-        print(f"{name:<28} {toks / walls[name]:>7.0f} {walls['target-only'] / walls[name]:>7.2f}x "
-              f"{s['tau']:>5.2f} {s['n']:>5.1f} {s['experts']:>13.2f}  {acc:<21} {same}")
-    print("\n(speed-ups are wall clock on this machine, measured in this run; greedy speculation is exact, so the "
-          "text is identical)" if cfg.temperature == 0 else "")
+        print(
+            f"{name:<28} {toks / walls[name]:>7.0f} {walls['target-only'] / walls[name]:>7.2f}x "
+            f"{s['tau']:>5.2f} {s['n']:>5.1f} {s['experts']:>13.2f}  {acc:<21} {same}"
+        )
+    print(
+        "\n(speed-ups are wall clock on this machine, measured in this run; greedy speculation is exact, so the "
+        "text is identical)"
+        if cfg.temperature == 0
+        else ""
+    )
 
 
 if __name__ == "__main__":
     if not any(a.startswith("hydra.run.dir") for a in sys.argv):
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                     "hydra/hydra_logging=disabled"]
+        sys.argv += [
+            "hydra.run.dir=.",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
     main()

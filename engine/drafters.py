@@ -41,7 +41,12 @@ class Drafter(Protocol):
 
     def start(self, seq_id: int, tokens: list[int], target_hidden: torch.Tensor | None = None) -> None: ...
     def draft(
-        self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
+        self,
+        seq_id: int,
+        tokens: list[int],
+        spec: SpecConfig,
+        params: SamplingParams,
+        generator: torch.Generator,
     ) -> DraftTree: ...
     def commit(
         self,
@@ -100,7 +105,9 @@ class ModelDrafter:
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         cfg, m = self.model.config, self.model
-        return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, self.block_size, m.dtype, m.device)
+        return PagedKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, self.block_size, m.dtype, m.device
+        )
 
     def prepare(self, lengths: list[int]) -> None:
         """Size the cache for sequences of these maximal lengths (+ one round's scratch each)."""
@@ -137,7 +144,12 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def draft(
-        self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
+        self,
+        seq_id: int,
+        tokens: list[int],
+        spec: SpecConfig,
+        params: SamplingParams,
+        generator: torch.Generator,
     ) -> DraftTree:
         t0 = time.perf_counter()
         seq = self.seqs[seq_id]
@@ -309,7 +321,12 @@ class NGramDrafter:
         return []
 
     def draft(
-        self, seq_id: int, tokens: list[int], spec: SpecConfig, params: SamplingParams, generator: torch.Generator
+        self,
+        seq_id: int,
+        tokens: list[int],
+        spec: SpecConfig,
+        params: SamplingParams,
+        generator: torch.Generator,
     ) -> DraftTree:
         t0 = time.perf_counter()
         conts = self._continuations(tokens, spec.depth, spec.width)

@@ -36,6 +36,7 @@ from .timing import PhaseTimer
 from .verify import verify_tree
 
 Policy = Callable[[Any], Any]
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -160,7 +161,7 @@ class Engine:
         self,
         prompts: list[list[int]],
         max_new_tokens: int,
-        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         spec: SpecConfig | None = None,
         policy: Policy | None = None,
         eos_token_id: int | None = None,
@@ -237,7 +238,13 @@ class Engine:
         kv = self.kv
         if kv is None or kv.num_blocks < blocks or kv.block_size != bs or kv.k.dtype != self.target.dtype:
             kv = PagedKVCache(
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, bs, self.target.dtype, self.target.device
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                blocks,
+                bs,
+                self.target.dtype,
+                self.target.device,
             )
             self.kv = kv
         kv.check_quiescent()
@@ -329,8 +336,9 @@ class Engine:
         cfg = self.target.config
         for r in active:
             n = r.cached_len
-            fresh = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-n // 16) + 1, 16,
-                                 kv.k.dtype, kv.k.device)
+            fresh = PagedKVCache(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-n // 16) + 1, 16, kv.k.dtype, kv.k.device
+            )
             fresh.add_sequence(0)
             fresh.reserve(0, n)
             slots = fresh.slots(0, range(n))
@@ -399,7 +407,11 @@ class Engine:
             r.prev_pairs = pairs
             if self.rank_loads is not None:
                 mean_imb, max_imb, cross = self.rank_loads(ids)
-                stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = mean_imb, max_imb, cross
+                stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = (
+                    mean_imb,
+                    max_imb,
+                    cross,
+                )
             if self.cost_model is not None:
                 stats.modelled_seconds = float(self.cost_model(ids, r.cached_len))
         stats.time = dict(phase)

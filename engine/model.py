@@ -294,11 +294,7 @@ class Model(nn.Module):
         logits = self.lm_head(self.model.norm(h))
         if not return_aux:
             return logits
-        aux = (
-            load_balancing_loss(router_logits, cfg.num_experts, cfg.top_r)
-            if router_logits
-            else logits.new_zeros(())
-        )
+        aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.top_r) if router_logits else logits.new_zeros(())
         return logits, aux
 
     @torch.inference_mode()
@@ -331,7 +327,6 @@ class Model(nn.Module):
         keep_router_logits: bool = False,
     ) -> ForwardOutput:
         """Packed forward over the paged KV cache (see `ForwardBatch`). Returns logits for every token."""
-        cfg = self.config
         record = RoutingRecord(keep_logits=keep_router_logits) if record_routing else None
         with maybe_phase(timer, "embed"):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]

@@ -131,11 +131,22 @@ class MoEBlock(nn.Module):
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits)
         with maybe_phase(timer, "experts"):
             fn = self.expert_fn
-            if fn is None and x.shape[0] == 1 and self.backend != "triton" and not x.is_cuda and not torch.is_grad_enabled():
+            if (
+                fn is None
+                and x.shape[0] == 1
+                and self.backend != "triton"
+                and not x.is_cuda
+                and not torch.is_grad_enabled()
+            ):
                 out = _single_token_experts(x, self.experts, expert_ids, topk_weights)
             elif fn is None:
                 out = kernels.fused_moe(
-                    x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights, backend=self.backend
+                    x,
+                    self.experts.gate_up_proj,
+                    self.experts.down_proj,
+                    expert_ids,
+                    topk_weights,
+                    backend=self.backend,
                 )
             else:
                 out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)

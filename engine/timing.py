@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 

@@ -14,9 +14,24 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-_CODE_FILES = ("textwrap.py", "json/encoder.py", "heapq.py", "bisect.py", "fractions.py", "statistics.py",
-               "shlex.py", "colorsys.py", "difflib.py", "calendar.py", "string.py", "glob.py", "fnmatch.py",
-               "base64.py", "csv.py", "random.py")
+_CODE_FILES = (
+    "textwrap.py",
+    "json/encoder.py",
+    "heapq.py",
+    "bisect.py",
+    "fractions.py",
+    "statistics.py",
+    "shlex.py",
+    "colorsys.py",
+    "difflib.py",
+    "calendar.py",
+    "string.py",
+    "glob.py",
+    "fnmatch.py",
+    "base64.py",
+    "csv.py",
+    "random.py",
+)
 
 
 @dataclass

@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(args: list[str], zoo: Path, cwd: Path, timeout: int = 300) -> str:
     env = dict(os.environ, EXPERTSPEC_ZOO=str(zoo), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -36,8 +37,20 @@ def test_bench_decode_smoke(fake_zoo, tmp_path):
 
 
 def test_bench_spec_smoke(fake_zoo, tmp_path):
-    out = _run(["engine.bench", "spec", "new_tokens=6", "repeats=1", "num_prompts=1", "depths=[0,2]",
-                "widths=[1,2]", "out=s.json"], fake_zoo, tmp_path)
+    out = _run(
+        [
+            "engine.bench",
+            "spec",
+            "new_tokens=6",
+            "repeats=1",
+            "num_prompts=1",
+            "depths=[0,2]",
+            "widths=[1,2]",
+            "out=s.json",
+        ],
+        fake_zoo,
+        tmp_path,
+    )
     assert "best exact" in out
     res = json.loads((tmp_path / "s.json").read_text())
     assert all(row["exact"] for row in res["code"]["rows"])
@@ -46,14 +59,26 @@ def test_bench_spec_smoke(fake_zoo, tmp_path):
 
 def test_bad_bench_mode_is_rejected(fake_zoo, tmp_path):
     env = dict(os.environ, EXPERTSPEC_ZOO=str(fake_zoo), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "engine.bench", "mode=nope"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "mode=nope"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "unknown bench mode" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("missing", ["tiny-moe"])
 def test_missing_zoo_says_how_to_build_it(tmp_path, missing):
     env = dict(os.environ, EXPERTSPEC_ZOO=str(tmp_path / "none"), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "engine.demo"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.demo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "python -m engine.zoo" in proc.stdout + proc.stderr

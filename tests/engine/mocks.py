@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from hf_configs import tiny_config
 
 from engine.checkpoint import build_model
 from engine.draft_tree import DraftTree
 from engine.model import ForwardOutput, Model
-from hf_configs import tiny_config
 
 
 class ScriptedTarget(Model):

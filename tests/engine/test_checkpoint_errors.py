@@ -70,8 +70,9 @@ def test_missing_folder_and_config(tmp_path):
 
 
 def test_drafter_with_other_vocabulary_is_rejected(tiny_moe_dir, tmp_path):
-    from engine.checkpoint import build_model
     from hf_configs import tiny_config
+
+    from engine.checkpoint import build_model
 
     target = engine.load_model(tiny_moe_dir)
     other = build_model(tiny_config("llama", vocab_size=50))

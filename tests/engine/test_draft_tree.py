@@ -76,6 +76,5 @@ def test_expert_aware_selection_random_trees_prefix_closed_and_fewer_pairs():
         base = select_by_probability(tree, 6)
         cheap = select_expert_aware(tree, 6, lam=2.0)
         assert len(cheap) == 7 and _prefix_closed(tree, cheap)
-        pairs = lambda keep: int(pred[keep].any(0).sum())  # noqa: E731
-        fewer += pairs(cheap) <= pairs(base)
+        fewer += int(pred[cheap].any(0).sum()) <= int(pred[base].any(0).sum())
     assert fewer >= 36

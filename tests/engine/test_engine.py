@@ -22,7 +22,12 @@ def pair(tiny_moe_dir):
 def _hf_greedy(ref, prompt, n):
     ids = torch.tensor([prompt])
     out = ref.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
 

@@ -11,7 +11,9 @@ import engine
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize(("model_type", "over"), PARITY_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(PARITY_CASES)])
+@pytest.mark.parametrize(
+    ("model_type", "over"), PARITY_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(PARITY_CASES)]
+)
 def test_logits_match_transformers(tmp_path, model_type, over):
     cfg = transformers.AutoConfig.for_model(**tiny_config(model_type, **over))
     torch.manual_seed(0)
@@ -51,7 +53,9 @@ def test_routing_is_recorded_per_moe_layer(tiny_moe_dir):
     kv.add_sequence(0)
     kv.reserve(0, 5)
     slots = kv.slots(0, range(5))
-    out = model.forward_batch(pack([chain_item([1, 2, 3, 4, 5], slots[:0], slots)], model.device), kv, record_routing=True)
+    out = model.forward_batch(
+        pack([chain_item([1, 2, 3, 4, 5], slots[:0], slots)], model.device), kv, record_routing=True
+    )
     assert out.routing.layers == list(cfg.moe_layers)
     for ids, w in zip(out.routing.expert_ids, out.routing.topk_weights):
         assert ids.shape == (5, cfg.top_r) and w.shape == (5, cfg.top_r)

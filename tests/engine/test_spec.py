@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import engine
 from engine.sampling import SamplingParams
@@ -99,7 +98,12 @@ def test_kv_after_mixed_traffic(target, tiny_dense_dir):
         i = next(calls)
         return (i % 4, 1 + i % 3, 0.0)
 
-    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=0.5, seed=2)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(),
+        SamplingParams(temperature=0.5, seed=2),
+    ]
     res = eng.generate(PROMPTS, 16, sampling=params, policy=policy, eos_token_id=eos)
     assert res[0].finish_reason == "eos"
     assert res[0].token_ids == base[0].token_ids[:6]

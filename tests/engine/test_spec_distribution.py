@@ -10,12 +10,12 @@ import itertools
 
 import pytest
 import torch
+from hf_configs import tiny_config
 from scipy import stats
 
 import engine
 from engine.checkpoint import build_model
 from engine.sampling import SamplingParams, process_logits
-from hf_configs import tiny_config
 
 V = 8
 PROMPT = [1, 5, 2]
@@ -49,8 +49,10 @@ def sample_engine(target, drafter, params, spec) -> torch.Tensor:
     counts = torch.zeros(V, V, V, dtype=torch.float64)
     chunk = 2_000
     for start in range(0, N, chunk):
-        sp = [SamplingParams(params.temperature, params.top_k, params.top_p, seed=params.seed + start + i)
-              for i in range(chunk)]
+        sp = [
+            SamplingParams(params.temperature, params.top_k, params.top_p, seed=params.seed + start + i)
+            for i in range(chunk)
+        ]
         for r in eng.generate([PROMPT] * chunk, 3, sampling=sp, spec=spec):
             a, b, c = r.token_ids
             counts[a, b, c] += 1
@@ -60,10 +62,17 @@ def sample_engine(target, drafter, params, spec) -> torch.Tensor:
 
 CASES = [
     ("chain-t1", SamplingParams(temperature=1.0, seed=1000), engine.SpecConfig(depth=3, width=1)),
-    ("chain-t0.7-p0.9", SamplingParams(temperature=0.7, top_p=0.9, seed=2000), engine.SpecConfig(depth=2, width=1)),
+    (
+        "chain-t0.7-p0.9",
+        SamplingParams(temperature=0.7, top_p=0.9, seed=2000),
+        engine.SpecConfig(depth=2, width=1),
+    ),
     ("tree-t1", SamplingParams(temperature=1.0, seed=3000), engine.SpecConfig(depth=2, width=2)),
-    ("tree-drafted-t0.7-p0.9", SamplingParams(temperature=0.7, top_p=0.9, seed=4000),
-     engine.SpecConfig(depth=2, width=2, drafted_children=True)),
+    (
+        "tree-drafted-t0.7-p0.9",
+        SamplingParams(temperature=0.7, top_p=0.9, seed=4000),
+        engine.SpecConfig(depth=2, width=2, drafted_children=True),
+    ),
 ]
 
 

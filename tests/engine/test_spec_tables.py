@@ -14,8 +14,12 @@ PROMPT = SCRIPT[:5]
 def _run(miss, depth, n=12, tree=False, eos=None, prompts=None, spec=None):
     target = ScriptedTarget(SCRIPT)
     eng = engine.Engine(target, drafter=ScriptedDrafter(SCRIPT, miss, tree=tree), instrument=False, check_kv=True)
-    res = eng.generate(prompts or [PROMPT], n, spec=spec or engine.SpecConfig(depth=depth, width=2 if tree else 1),
-                       eos_token_id=eos)
+    res = eng.generate(
+        prompts or [PROMPT],
+        n,
+        spec=spec or engine.SpecConfig(depth=depth, width=2 if tree else 1),
+        eos_token_id=eos,
+    )
     eng.kv.check_quiescent()
     return res
 
