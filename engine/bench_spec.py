@@ -172,9 +172,8 @@ def _vs_assisted(cfg, target, drafter, target_path, drafter_path, prompts, best)
 def print_spec(res: dict) -> None:
     for wl in ("code", "prose"):
         s = res[wl]
-        print(
-            f"\n== {wl}: exact speculative decoding (greedy, batch 1), target-only {s['target_only_tok_s']:.0f} tok/s =="
-        )
+        base = s["target_only_tok_s"]
+        print(f"\n== {wl}: exact speculative decoding (greedy, batch 1), target-only {base:.0f} tok/s ==")
         print(
             f"{'drafter':>8} {'K':>2} {'W':>2} {'tok/s':>7} {'speedup':>7} {'tau':>5} {'n':>5} {'U_l':>5} "
             f"{'draft ms':>8} {'verify ms':>9}  acceptance by depth"
