@@ -67,7 +67,9 @@ class Engine:
     Options: block_size / num_blocks (paged KV; num_blocks None = sized per call), backend ("auto",
     "torch", "triton") for the target's expert GEMM, instrument (routing footprint per round),
     timing (per-phase wall clock), cost_model (callable RoutingRecord-like -> modelled seconds),
-    rank_loads (callable expert_ids [n, r] -> (imbalance_mean, imbalance_max, cross_node_ratio)).
+    rank_loads (callable L x expert_ids [n, r] -> (imbalance_mean, imbalance_max, cross_node_ratio)) or
+    virtual_ep (an `engine.placement.ExpertPlacement`: per-rank loads of a virtual EP layout every round),
+    ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Engine:
         timing: bool = True,
         cost_model: Callable[[list[torch.Tensor], int], float] | None = None,
         rank_loads: Callable[[list[torch.Tensor]], tuple[float, float, float]] | None = None,
+        virtual_ep: Any = None,
         ep: Any = None,
         check_kv: bool = False,
         **drafter_options: Any,
@@ -96,6 +99,8 @@ class Engine:
         self.instrument = instrument
         self.timing = timing
         self.cost_model = cost_model
+        if virtual_ep is not None and rank_loads is None:
+            rank_loads = _virtual_rank_loads(virtual_ep, target)
         self.rank_loads = rank_loads
         self.kv: PagedKVCache | None = None
         # Expert parallelism (engine.ep): every rank must run the same sequence of MoE collectives, so
@@ -431,6 +436,24 @@ class Engine:
             "prompt_len": len(req.prompt),
             "max_new_tokens": req.max_new,
         }
+
+
+def _virtual_rank_loads(placement, target: Model):
+    """RoundStats' rank imbalance / cross-node ratio for a virtual EP layout (engine.placement)."""
+    from .placement import ExpertPlacement, layout_stats
+
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(f"virtual_ep must be an engine.placement.ExpertPlacement, got {type(placement).__name__}")
+    if placement.num_experts != target.config.num_experts:
+        raise ValueError(
+            f"virtual_ep places {placement.num_experts} experts but the target has {target.config.num_experts}"
+        )
+
+    def loads(ids: list[torch.Tensor]) -> tuple[float, float, float]:
+        s = layout_stats(ids, placement)
+        return s.imbalance_mean, s.imbalance_max, s.cross_node_ratio
+
+    return loads
 
 
 def _replace_depth(s: SpecConfig, depth: int) -> SpecConfig:

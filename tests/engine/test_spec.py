@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import engine
 from engine.sampling import SamplingParams
@@ -135,3 +136,43 @@ def test_policy_action_out_of_range_fails_before_any_token(target, tiny_dense_di
         eng.generate(PROMPTS, 8, policy=lambda obs: (99, 1, 0.0))
     eng.kv.check_quiescent()
     eng.drafter.kv.check_quiescent()
+
+
+def test_round_stats_footprint_virtual_ep_and_modelled_cost(target, tiny_dense_dir):
+    from engine.cost import RooflineCost, load_hardware, model_spec_from_hf_config
+    from engine.placement import place_experts
+
+    cfg = target.config
+    placement = place_experts(cfg.num_experts, 2, "contiguous", ranks_per_node=1)
+    cost = RooflineCost(load_hardware("h200"), model_spec_from_hf_config(cfg.raw))
+    eng = engine.Engine(target, drafter=engine.load_model(tiny_dense_dir), virtual_ep=placement, cost_model=cost)
+    res = eng.generate(PROMPTS[:2], 12, spec=engine.SpecConfig(depth=3, width=2))
+    for r in (r for x in res for r in x.rounds):
+        n = r.verified_tokens
+        assert len(r.distinct_experts) == len(cfg.moe_layers)
+        assert all(1 <= u <= min(cfg.num_experts, n * cfg.top_r) for u in r.distinct_experts)
+        assert int(r.tokens_per_expert.sum()) == n * cfg.top_r * len(cfg.moe_layers)
+        assert r.reuse == pytest.approx(1 - sum(r.distinct_experts) / (n * cfg.top_r * len(cfg.moe_layers)))
+        assert r.rank_imbalance_mean >= 1.0 and r.rank_imbalance_max >= r.rank_imbalance_mean
+        assert 0.0 <= r.cross_node_ratio <= 1.0
+        assert r.modelled_seconds > 0
+        for phase in ("draft", "attention", "router", "experts", "combine", "sampling"):
+            assert phase in r.time
+    later = [r for x in res for r in x.rounds[1:]]
+    assert all(r.overlap_prev is not None and 0 <= r.overlap_prev <= 1 for r in later)
+
+
+def test_virtual_ep_must_match_the_target(target):
+    from engine.placement import place_experts
+
+    with pytest.raises(ValueError, match="experts"):
+        engine.Engine(target, virtual_ep=place_experts(8, 2, "contiguous"))
+
+
+def test_bf16_target_with_fp32_drafter_on_another_backend(tiny_moe_dir, tiny_dense_dir):
+    target16 = engine.load_model(tiny_moe_dir, dtype=torch.bfloat16)
+    base = engine.Engine(target16).generate(PROMPTS, 16)
+    eng = engine.Engine(target16, drafter=engine.load_model(tiny_dense_dir, dtype=torch.float32), backend="torch")
+    res = eng.generate(PROMPTS, 16, spec=engine.SpecConfig(depth=3, width=2))
+    assert [r.token_ids for r in res] == [r.token_ids for r in base]
+    assert eng.drafter.kv.k.dtype == torch.float32 and eng.kv.k.dtype == torch.bfloat16
