@@ -85,6 +85,91 @@ def _node_budget(spec: SpecConfig) -> int:
     return min(spec.max_verify or MAX_TREE_NODES, MAX_TREE_NODES)
 
 
+class TreeGrowth:
+    """Depth-by-depth growth of one draft tree from drafter logits (shared by model and feature drafters).
+
+    `grow(d)` turns the current frontier's logits (`node_logits`) into depth-d nodes: top-W children per
+    frontier node (deterministic) or W i.i.d. samples (drafted), the `frontier` best kept (EAGLE-2
+    2406.16858; drafted mode keeps whole sibling groups), within the node budget. It returns the nodes
+    to run through the drafter next (their logits feed depth d + 1), or None when the tree is complete.
+    """
+
+    def __init__(
+        self,
+        root_token: int,
+        root_logits: torch.Tensor,
+        spec: SpecConfig,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> None:
+        self.spec, self.generator = spec, generator
+        self.drafted = spec.use_drafted_children and not params.greedy
+        self.q_params = params if not params.greedy else SamplingParams(temperature=1.0)
+        self.budget = _node_budget(spec)
+        self.frontier_cap = spec.frontier or spec.width
+        self.tok, self.par, self.dep, self.path = [root_token], [-1], [0], [1.0]
+        self.qrows: list[torch.Tensor | None] = [None]
+        self.confidence: list[float] = []
+        self.frontier = [0]
+        self.node_logits = {0: root_logits}
+        self.done = spec.depth == 0
+
+    def grow(self, d: int) -> list[int] | None:
+        spec = self.spec
+        cand: list[tuple[float, int, int, float]] = []  # (path prob, parent, token, cond prob)
+        for f in self.frontier:
+            q = process_logits(self.node_logits[f], self.q_params)  # [V]
+            self.qrows[f] = q
+            if self.drafted:
+                kids = [sample_from_probs(q, self.generator) for _ in range(spec.width)]
+            else:
+                kids = torch.topk(q, spec.width).indices.tolist()
+            for k in kids:
+                cp = float(q[k])
+                cand.append((self.path[f] * cp, f, k, cp))
+        room = self.budget - (len(self.tok) - 1)
+        if self.drafted:  # keep whole sibling groups: i.i.d. children may not be filtered by value
+            keep: list = []
+            for f in dict.fromkeys(c[1] for c in cand):
+                group = [c for c in cand if c[1] == f]
+                if len(keep) + len(group) > room:
+                    break
+                keep.extend(group)
+            cand = keep
+        else:
+            cand.sort(key=lambda c: -c[0])
+            cand = cand[: min(self.frontier_cap, room)]
+        if not cand:
+            self.done = True
+            return None
+        self.confidence.append(max(c[3] for c in cand))
+        new_ids = []
+        for pp, f, k, _ in cand:
+            new_ids.append(len(self.tok))
+            self.tok.append(k)
+            self.par.append(f)
+            self.dep.append(d)
+            self.path.append(pp)
+            self.qrows.append(None)
+        if d >= spec.depth or len(self.tok) - 1 >= self.budget:
+            self.done = True
+            return None
+        # which new nodes to expand next (drafted mode: the most probable ones)
+        return sorted(new_ids, key=lambda i: -self.path[i])[: self.frontier_cap] if self.drafted else new_ids
+
+    def tree(self, vocab_size: int) -> DraftTree:
+        tree = DraftTree(
+            tokens=torch.tensor(self.tok),
+            parents=torch.tensor(self.par),
+            depths=torch.tensor(self.dep),
+            path_prob=torch.tensor(self.path, dtype=torch.float32),
+            confidence=self.confidence,
+        )
+        if self.drafted:
+            tree.draft_probs = torch.stack([r if r is not None else torch.zeros(vocab_size) for r in self.qrows])
+        return tree
+
+
 # ---------------------------------------------------------------------------------------- model drafter
 @dataclass
 class _DraftSeq:
@@ -151,108 +236,83 @@ class ModelDrafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> DraftTree:
+        return self.draft_many([(seq_id, tokens, spec, params, generator)])[0]
+
+    @torch.inference_mode()
+    def draft_many(
+        self, requests: list[tuple[int, list[int], SpecConfig, SamplingParams, torch.Generator]]
+    ) -> list[DraftTree]:
+        """Draft trees for several requests with one drafter forward per depth (plus one catch-up).
+
+        Each tree's `draft_seconds` is the batched drafting time (one cost shared by the batch)."""
         t0 = time.perf_counter()
-        seq = self.seqs[seq_id]
-        root_logits = self.catch_up(seq_id, tokens)
-        ctx_slots = self._slots(seq_id, len(tokens))  # committed incl. root
-        drafted = spec.use_drafted_children and not params.greedy
-        q_params = params if not params.greedy else SamplingParams(temperature=1.0)
-        budget = _node_budget(spec)
-        frontier_cap = spec.frontier or spec.width
+        # catch up every request's committed tokens in one packed forward; root logits = last row
+        items = []
+        for seq_id, tokens, *_ in requests:
+            seq = self.seqs[seq_id]
+            slots = self._slots(seq_id, len(tokens))
+            items.append(chain_item(tokens[seq.cached :], slots[: seq.cached], slots[seq.cached : len(tokens)]))
+            seq.cached = len(tokens)
+            seq.fed_slots = {}
+        logits = self._logits(items)
+        ends = torch.tensor([it.tokens.shape[0] for it in items]).cumsum(0) - 1
+        states = [
+            TreeGrowth(tokens[-1], logits[int(e)], spec, params, generator)
+            for (_, tokens, spec, params, generator), e in zip(requests, ends)
+        ]
+        ctx = [self._slots(seq_id, len(tokens)) for seq_id, tokens, *_ in requests]
+        depth = 1
+        while True:
+            expand = []
+            for i, st in enumerate(states):
+                nxt = st.grow(depth) if not st.done else None
+                if nxt:
+                    seq_id = requests[i][0]
+                    expand.append((i, nxt, self._expand_item(seq_id, ctx[i], st.tok, st.par, st.dep, nxt)))
+            if not expand:
+                break
+            logits = self._logits([it for _, _, it in expand])
+            off = 0
+            for i, nxt, _ in expand:
+                states[i].node_logits = {node: logits[off + j] for j, node in enumerate(nxt)}
+                states[i].frontier = nxt
+                off += len(nxt)
+            depth += 1
+        trees = []
+        for (seq_id, *_), st in zip(requests, states):
+            tree = st.tree(self.model.vocab_size)
+            if st.spec.max_verify is not None and not st.drafted:
+                tree = tree.subtree(select_by_probability(tree, st.spec.max_verify))
+                self.seqs[seq_id].fed_slots = {}  # indices changed: nothing to reuse
+            trees.append(tree)
+        seconds = time.perf_counter() - t0
+        for tree in trees:
+            tree.draft_seconds = seconds
+        return trees
 
-        tok = [tokens[-1]]
-        par = [-1]
-        dep = [0]
-        path = [1.0]
-        qrows: list[torch.Tensor | None] = [None]
-        confidence: list[float] = []
-        frontier = [0]
-        node_logits = {0: root_logits}
-        seq.fed_slots = {}
-        for d in range(1, spec.depth + 1):
-            cand: list[tuple[float, int, int, float]] = []  # (path prob, parent, token, cond prob)
-            for f in frontier:
-                q = process_logits(node_logits[f], q_params)  # [V]
-                qrows[f] = q
-                if drafted:
-                    kids = [sample_from_probs(q, generator) for _ in range(spec.width)]
-                else:
-                    kids = torch.topk(q, spec.width).indices.tolist()
-                for k in kids:
-                    cp = float(q[k])
-                    cand.append((path[f] * cp, f, k, cp))
-            if not drafted:
-                cand.sort(key=lambda c: -c[0])
-                cand = cand[:frontier_cap]
-            room = budget - (len(tok) - 1)
-            if room <= 0:
-                break
-            if drafted:
-                # keep whole sibling groups (i.i.d. children may not be filtered by value)
-                keep: list = []
-                for f in dict.fromkeys(c[1] for c in cand):
-                    group = [c for c in cand if c[1] == f]
-                    if len(keep) + len(group) > room:
-                        break
-                    keep.extend(group)
-                cand = keep
-            else:
-                cand = cand[:room]
-            if not cand:
-                break
-            confidence.append(max(c[3] for c in cand))
-            new_ids = []
-            for pp, f, k, _ in cand:
-                new_ids.append(len(tok))
-                tok.append(k)
-                par.append(f)
-                dep.append(d)
-                path.append(pp)
-                qrows.append(None)
-            if d == spec.depth:
-                break
-            # choose which new nodes to expand next (drafted mode: the most probable ones)
-            nxt = sorted(new_ids, key=lambda i: -path[i])[:frontier_cap] if drafted else new_ids
-            node_logits = self._expand(seq_id, ctx_slots, tok, par, dep, nxt)
-            frontier = nxt
-        tree = DraftTree(
-            tokens=torch.tensor(tok),
-            parents=torch.tensor(par),
-            depths=torch.tensor(dep),
-            path_prob=torch.tensor(path, dtype=torch.float32),
-            confidence=confidence,
-        )
-        if drafted:
-            V = self.model.vocab_size
-            tree.draft_probs = torch.stack([r if r is not None else torch.zeros(V) for r in qrows])
-        if spec.max_verify is not None and not drafted:
-            tree = tree.subtree(select_by_probability(tree, spec.max_verify))
-            seq.fed_slots = {}  # indices changed: nothing to reuse
-        tree.draft_seconds = time.perf_counter() - t0
-        return tree
-
-    def _expand(self, seq_id, ctx_slots, tok, par, dep, nodes: list[int]) -> dict[int, torch.Tensor]:
-        """Run the drafter on `nodes` (new frontier) -> their logits; ancestors are already cached."""
+    def _expand_item(self, seq_id, ctx_slots, tok, par, dep, nodes: list[int]) -> PackItem:
+        """PackItem running `nodes` (a new frontier) over the committed context and their fed ancestors."""
         seq = self.seqs[seq_id]
         write = self.kv.scratch_slots(seq_id, len(nodes))
         for i, s in zip(nodes, write.tolist()):
             seq.fed_slots[i] = s
-        # ancestors of each node (excluding the root, which is committed)
-        anc = ancestor_mask(torch.tensor(par))
+        anc = ancestor_mask(torch.tensor(par))  # the root is committed (in ctx_slots), not a column here
         tree_nodes = sorted(seq.fed_slots)  # every fed node this round
         read = torch.cat([ctx_slots, torch.tensor([seq.fed_slots[i] for i in tree_nodes], dtype=torch.long)])
         mask = torch.zeros(len(nodes), read.shape[0], dtype=torch.bool)
         mask[:, : ctx_slots.shape[0]] = True
-        cols = torch.tensor(tree_nodes)
-        mask[:, ctx_slots.shape[0] :] = anc[torch.tensor(nodes)][:, cols]
-        item = PackItem(
+        mask[:, ctx_slots.shape[0] :] = anc[torch.tensor(nodes)][:, torch.tensor(tree_nodes)]
+        return PackItem(
             tokens=torch.tensor([tok[i] for i in nodes]),
             positions=torch.tensor([ctx_slots.shape[0] - 1 + dep[i] for i in nodes]),
             write_slots=write,
             read_slots=read,
             mask=mask,
         )
-        logits = self._logits([item])
+
+    def _expand(self, seq_id, ctx_slots, tok, par, dep, nodes: list[int]) -> dict[int, torch.Tensor]:
+        """Run the drafter on `nodes` (new frontier) -> their logits; ancestors are already cached."""
+        logits = self._logits([self._expand_item(seq_id, ctx_slots, tok, par, dep, nodes)])
         return {i: logits[j] for j, i in enumerate(nodes)}
 
     def commit(

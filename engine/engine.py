@@ -287,16 +287,25 @@ class Engine:
         timer = PhaseTimer() if self.timing else None
         trees: list[DraftTree] = []
         specs: list[SpecConfig] = []
+        drafting = []
         for r in active:
             s = self._spec_for(r, spec, policy)
             remaining = r.max_new - len(r.new_tokens)
             if s.depth > 0 and self.drafter is not None and remaining > 1:
                 s = s if s.depth < remaining else _replace_depth(s, remaining - 1)  # never draft past the end
-                tree = self.drafter.draft(r.index, r.tokens, s, r.params, r.generator)
-            else:
-                tree = DraftTree.root_only(r.tokens[-1])
+                drafting.append(len(trees))
             specs.append(s)
-            trees.append(tree)
+            trees.append(DraftTree.root_only(r.tokens[-1]))
+        if drafting:
+            reqs = [
+                (active[i].index, active[i].tokens, specs[i], active[i].params, active[i].generator) for i in drafting
+            ]
+            if hasattr(self.drafter, "draft_many"):  # one drafter forward per depth for the whole batch
+                drafted = self.drafter.draft_many(reqs)
+            else:
+                drafted = [self.drafter.draft(*req) for req in reqs]
+            for i, tree in zip(drafting, drafted):
+                trees[i] = tree
         items = []
         scratch: list[torch.Tensor] = []
         for r, tree in zip(active, trees):
