@@ -69,7 +69,9 @@ class Engine:
     timing (per-phase wall clock), cost_model (callable RoutingRecord-like -> modelled seconds),
     rank_loads (callable L x expert_ids [n, r] -> (imbalance_mean, imbalance_max, cross_node_ratio)) or
     virtual_ep (an `engine.placement.ExpertPlacement`: per-rank loads of a virtual EP layout every round),
-    ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round).
+    ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round),
+    offload (an installed `engine.offload.ExpertOffload`: its `OffloadStats` of every step, prefill
+    included in the first, is attached to the step's RoundStats as `offload`).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Engine:
         virtual_ep: Any = None,
         ep: Any = None,
         check_kv: bool = False,
+        offload: Any = None,
         **drafter_options: Any,
     ) -> None:
         if not isinstance(target, Model):
@@ -108,6 +111,7 @@ class Engine:
         # `ep.idle_step()` (the collectives of one forward with zero tokens).
         self.ep = ep
         self.check_kv = check_kv  # debug: after every step prove committed slots hold committed tokens' K/V
+        self.offload = offload
 
     # ------------------------------------------------------------------ validation
     def _validate(
@@ -178,6 +182,8 @@ class Engine:
         if policy is not None and self.drafter is None:
             raise ValueError("a policy chooses speculation settings and needs a drafter")
         kv = self._make_cache(prompts, max_new_tokens, spec)
+        if self.offload is not None:
+            self.offload.stats.reset()
         # One shared SamplingParams: request i draws from seed + i. A list: each request's own seed as is,
         # so a request's output never depends on its position in the batch.
         shared = isinstance(sampling, SamplingParams)
@@ -320,6 +326,10 @@ class Engine:
         )
         forward_seconds = time.perf_counter() - t0
         phase = timer.reset() if timer is not None else {}
+        offload_stats = None
+        if self.offload is not None:  # drafting (stand-ins, prefetch) + verification loads of this step
+            offload_stats = self.offload.stats.snapshot()
+            self.offload.stats.reset()
         off = 0
         for r, tree, s, node_slots in zip(active, trees, specs, scratch):
             n = tree.num_nodes
@@ -337,6 +347,7 @@ class Engine:
                 self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=out.hidden[off : off + n])
             book = time.perf_counter() - t1
             stats = self._round_stats(r, tree, s, result, committed, out, off, n, phase, forward_seconds, book)
+            stats.offload = offload_stats
             r.rounds.append(stats)
             off += n
         if self.check_kv:

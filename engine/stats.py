@@ -7,8 +7,12 @@ reported metric (§5). Shape letters: L=MoE layers E=experts n=verified tokens r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .offload import OffloadStats
 
 
 @dataclass
@@ -43,6 +47,7 @@ class RoundStats:
     time: dict[str, float] = field(default_factory=dict)  # draft, attention, router, experts, combine, ...
     round_seconds: float = 0.0  # measured cost of the round (batched step + this request's drafting)
     modelled_seconds: float | None = None  # roofline cost, when a cost model is attached
+    offload: OffloadStats | None = None  # expert offload of the batched step (Engine(offload=...))
 
     @property
     def mean_distinct_experts(self) -> float:
