@@ -109,6 +109,8 @@ class Engine:
         # Expert parallelism (engine.ep): every rank must run the same sequence of MoE collectives, so
         # steps are taken in lockstep (`ep.any_active(local) -> global`) and a rank without work runs
         # `ep.idle_step()` (the collectives of one forward with zero tokens).
+        if ep is not None and check_kv:
+            raise ValueError("check_kv runs extra target forwards per request and is not lockstep under ep")
         self.ep = ep
         self.check_kv = check_kv  # debug: after every step prove committed slots hold committed tokens' K/V
         self.offload = offload
@@ -123,7 +125,7 @@ class Engine:
         eos_token_id: int | None,
     ) -> list[SamplingParams]:
         V = self.target.vocab_size
-        if not isinstance(prompts, (list, tuple)) or not prompts:
+        if not isinstance(prompts, (list, tuple)) or (not prompts and self.ep is None):
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -242,7 +244,7 @@ class Engine:
         bs = self.block_size
         need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
         scratch = len(prompts) * (-(-(64 + 1) // bs) + 1)  # draft trees are bounded (see drafters)
-        blocks = self.num_blocks or need + scratch
+        blocks = self.num_blocks or max(1, need + scratch)
         if blocks < need + len(prompts):
             raise ValueError(f"num_blocks={blocks} cannot hold these requests ({need} blocks needed)")
         cfg = self.target.config

@@ -63,6 +63,23 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown_distributed(ok: bool = True) -> bool:
+    """Last collective of an entry point: returns the AND of every rank's `ok`, then destroys the group.
+
+    Load models *before* `init_process_group`: on torch 2.13 a meta-device op run while a process
+    group exists (load_model builds on meta) keeps that group alive past `destroy_process_group`, and
+    its gloo threads, still releasing the last collective's tensors, can then abort the interpreter's
+    shutdown ("terminate called without an active exception").
+    """
+    if not dist.is_initialized():
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.destroy_process_group()
+    return bool(flag.item())
+
+
 def _same_nodes(world_size: int, ranks_per_node_a: int, ranks_per_node_b: int) -> bool:
     return all(w // ranks_per_node_a == w // ranks_per_node_b for w in range(world_size))
 
@@ -227,9 +244,7 @@ class ExpertParallelFn:
             valid = recv_ids >= 0
             local_ids = torch.where(valid, self.local_index[recv_ids.clamp(min=0)], -1)  # [m, r]
             if bool((local_ids[valid] < 0).any()):
-                raise RuntimeError(
-                    f"layer {self.layer}: rank {self.group.rank} received an expert it does not hold"
-                )
+                raise RuntimeError(f"layer {self.layer}: rank {self.group.rank} received an expert it does not hold")
             partial = kernels.fused_moe(
                 recv_rows[:, :D].contiguous(),
                 w_gate_up,
@@ -245,9 +260,7 @@ class ExpertParallelFn:
         if self.records is not None:
             src = torch.repeat_interleave(torch.arange(W, device=dev), recv_counts)  # [m]
             self.records.append(
-                DispatchRecord(
-                    self.layer, src.cpu(), recv_ids.cpu(), recv_rows[:, :D].cpu(), tuple(send_split)
-                )
+                DispatchRecord(self.layer, src.cpu(), recv_ids.cpu(), recv_rows[:, :D].cpu(), tuple(send_split))
             )
         self.rows_sent += len(tok)
         self.rows_received += m

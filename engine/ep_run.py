@@ -8,9 +8,9 @@ Each rank generates greedily for its own prompts (data-parallel attention, exper
 `engine.ep`; rank w asks for `new_tokens - 3w` tokens, so ranks finish at different steps and idle in
 lockstep). load_balanced / replicated placements are calibrated per MoE layer on the routing of all
 ranks' prompts. Rank 0 prints per-rank loads and checks every rank's tokens against the
-single-process engine on the same prompts; the exit status is 1 on a mismatch. Without `model=` rank 0
-builds a tiny random qwen2_moe (8 experts) in a temp dir (ranks share a machine, no downloads).
-gloo on CPU, NCCL on CUDA (one GPU per rank).
+single-process engine on the same prompts; the exit status is 1 on a mismatch. Without `model=` every
+rank saves the same seeded tiny random qwen2_moe (8 experts) to its own temp dir and loads it back (no
+downloads). gloo on CPU, NCCL on CUDA (one GPU per rank).
 
 Shape letters: L=MoE layers E=experts.
 """
@@ -18,7 +18,6 @@ Shape letters: L=MoE layers E=experts.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import kernels
 
 from .checkpoint import build_model, init_weights, load_model, save_model
 from .engine import Engine
-from .ep import EPGroup, init_distributed, shard_model
+from .ep import EPGroup, init_distributed, shard_model, shutdown_distributed
 from .model import Model
 from .placement import place_experts
 
@@ -74,17 +73,18 @@ cs = ConfigStore.instance()
 cs.store(name="ep_run_schema", node=EPRunConfig)
 
 
-def _model_path(cfg: EPRunConfig, rank: int) -> tuple[str, str | None]:
-    """(checkpoint folder, temp dir to delete or None); rank 0 builds the tiny model if needed."""
-    if cfg.model:
-        return cfg.model, None
-    box: list[str | None] = [None]
-    if rank == 0:
-        tmp = tempfile.mkdtemp(prefix="ep_run_")
-        model = init_weights(build_model(TINY_QWEN2_MOE, seed=cfg.seed), seed=cfg.seed, std=0.2)
-        box[0] = str(save_model(model, f"{tmp}/tiny_moe"))
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0]), str(box[0]).rsplit("/", 1)[0]
+def _load_models(cfg: EPRunConfig, with_reference: bool) -> tuple[Model, Model | None]:
+    """(target, single-process reference or None), loaded before the process group exists (see
+    `engine.ep.shutdown_distributed`). Without `model=`: a tiny random qwen2_moe saved to a temp dir and
+    loaded back, the same on every rank (seeded)."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory(prefix="ep_run_") as tmp:
+        path = cfg.model
+        if not path:
+            model = init_weights(build_model(TINY_QWEN2_MOE, seed=cfg.seed), seed=cfg.seed, std=0.2)
+            path = str(save_model(model, f"{tmp}/tiny_moe"))
+        target = load_model(path, device=device)
+        return target, load_model(path, device=device) if with_reference else None
 
 
 def _prompts(cfg: EPRunConfig, rank: int, vocab: int) -> tuple[list[list[int]], int]:
@@ -116,56 +116,45 @@ def _expert_counts(model: Model, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def run(cfg: EPRunConfig) -> bool:
-    """Generate on every rank; rank 0 prints loads and the parity result. Returns parity (all ranks)."""
+    """Generate on every rank; rank 0 prints loads and the parity result (its return value; True elsewhere)."""
+    target, ref = _load_models(cfg, with_reference=cfg.check and int(os.environ.get("RANK", 0)) == 0)
     rank, world = init_distributed()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    path, tmp = _model_path(cfg, rank)
-    try:
-        target = load_model(path, device=device)
-        prompts, max_new = _prompts(cfg, rank, target.vocab_size)
-        E = target.config.num_experts
-        rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if cfg.placement in ("load_balanced", "replicated"):
-            counts = _expert_counts(target, prompts)  # [L, E]
-        else:
-            counts = torch.ones(len(target.moe_blocks), E)
-        placements = [
-            place_experts(
-                E,
-                world,
-                cfg.placement,
-                ranks_per_node=rpn,
-                expert_counts=c,
-                num_replicated=cfg.num_replicated if cfg.placement == "replicated" else 0,
-            )
-            for c in counts
-        ]
-        ep = shard_model(target, EPGroup.from_env(placements, ranks_per_node=rpn))
-        t0 = time.perf_counter()
-        results = Engine(target, ep=ep).generate(prompts, max_new)
-        seconds = time.perf_counter() - t0
-        mine = dict(
-            prompts=prompts,
-            max_new=max_new,
-            tokens=[r.token_ids for r in results],
-            loads=ep.loads(),
-            rows=sum(fn.rows_received for fn in ep.fns),
-            seconds=seconds,
+    prompts, max_new = _prompts(cfg, rank, target.vocab_size)
+    E = target.config.num_experts
+    rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if cfg.placement in ("load_balanced", "replicated"):
+        counts = _expert_counts(target, prompts)  # [L, E]
+    else:
+        counts = torch.ones(len(target.moe_blocks), E)
+    placements = [
+        place_experts(
+            E,
+            world,
+            cfg.placement,
+            ranks_per_node=rpn,
+            expert_counts=c,
+            num_replicated=cfg.num_replicated if cfg.placement == "replicated" else 0,
         )
-        everyone: list[dict | None] = [None] * world
-        dist.all_gather_object(everyone, mine)
-        ok = True
-        if rank == 0:
-            _print_loads(cfg, everyone, placements)
-            if cfg.check:
-                ok = _check(path, device, everyone)
-        flag = [ok]
-        dist.broadcast_object_list(flag, src=0)
-        return bool(flag[0])
-    finally:
-        dist.barrier()
-        if rank == 0 and tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for c in counts
+    ]
+    ep = shard_model(target, EPGroup.from_env(placements, ranks_per_node=rpn))
+    t0 = time.perf_counter()
+    results = Engine(target, ep=ep).generate(prompts, max_new)
+    seconds = time.perf_counter() - t0
+    mine = dict(
+        prompts=prompts,
+        max_new=max_new,
+        tokens=[r.token_ids for r in results],
+        loads=ep.loads(),
+        rows=sum(fn.rows_received for fn in ep.fns),
+        seconds=seconds,
+    )
+    everyone: list[dict | None] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return True
+    _print_loads(cfg, everyone, placements)
+    return _check(ref, everyone) if ref is not None else True
 
 
 def _print_loads(cfg: EPRunConfig, everyone: list, placements) -> None:
@@ -186,12 +175,12 @@ def _print_loads(cfg: EPRunConfig, everyone: list, placements) -> None:
         print(f"MoE layer {layer}: rank imbalance (max/mean assignments) {imbalance:.2f}")
 
 
-def _check(path: str, device, everyone: list) -> bool:
+def _check(ref: Model, everyone: list) -> bool:
     """Rank 0: the single-process engine on every rank's prompts must give the same tokens."""
-    ref = Engine(load_model(path, device=device))
+    engine = Engine(ref)
     ok = True
     for w, d in enumerate(everyone):
-        want = [r.token_ids for r in ref.generate(d["prompts"], d["max_new"])]
+        want = [r.token_ids for r in engine.generate(d["prompts"], d["max_new"])]
         if want != d["tokens"]:
             ok = False
             print(f"rank {w}: MISMATCH\n  ep:     {d['tokens']}\n  single: {want}")
@@ -205,10 +194,11 @@ def main(cfg: EPRunConfig) -> None:
     torch.set_num_threads(cfg.threads)
     try:
         ok = run(cfg)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if not ok:
+        raise
+    if not shutdown_distributed(ok):
         raise SystemExit(1)
 
 

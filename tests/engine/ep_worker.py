@@ -256,9 +256,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = dist.FileStore(args.store, args.world)
-    dist.init_process_group(
-        "gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=30)
-    )
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=30))
     ctx = Ctx(args.rank, args.world)
     results: dict[str, str] = {}
     out = Path(args.out) / f"rank{args.rank}.json"

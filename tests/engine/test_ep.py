@@ -44,9 +44,7 @@ def _launch(world: int, tmp: Path) -> dict:
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(tmp / f"log{r}.txt", "w")) for r in range(world)]
         procs = [
-            subprocess.Popen(
-                [*cmd, f"--rank={r}"], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT
-            )
+            subprocess.Popen([*cmd, f"--rank={r}"], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
             for r, log in enumerate(logs)
         ]
         deadline = time.monotonic() + WATCHDOG_S
