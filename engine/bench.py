@@ -2,7 +2,8 @@
 
     python -m engine.bench                 # decode: our target-only decoding vs transformers generate
     python -m engine.bench spec            # speculative sweep K x W, drafters, vs transformers assisted
-    python -m engine.bench spec bench.new_tokens=32 bench.repeats=1     # any config override
+    python -m engine.bench spec new_tokens=32 repeats=1      # any config override
+    python -m engine.bench cost            # verification cost: measured phases, fitted model, GPU what-if
 
 Every ratio is measured side by side in one process with runs interleaved (ours, theirs, ours, ...),
 single intra-op thread by default (DESIGN.md §8). Results are printed as tables and written as JSON
@@ -23,7 +24,9 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-MODES = ("decode", "spec")
+from .bench_cost import CostBenchConfig
+
+MODES = ("decode", "spec", "cost")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class BenchConfig:
     hf: bool = True  # also run transformers (decode) / assisted generation (spec)
     out: str | None = None
     mem_bandwidth: float = 14e9  # B/s, one-thread read bandwidth of this machine class (DESIGN §8)
+    cost: CostBenchConfig = field(default_factory=CostBenchConfig)  # mode=cost settings (cost.sizes=...)
 
 
 cs = ConfigStore.instance()
@@ -74,21 +78,6 @@ def _equal_length(prompts: list[list[int]]) -> list[list[int]]:
     """Trim to a common length so transformers needs no padding (same prompts for both engines)."""
     m = min(len(p) for p in prompts)
     return [p[-m:] for p in prompts]
-
-
-def _touched_bytes(model, routing_ids: list[torch.Tensor] | None) -> int:
-    """Weight bytes one decode step must read: dense params + the experts it routes to."""
-    cfg = model.config
-    per_param = model.dtype.itemsize
-    total = 0
-    for name, p in model.named_parameters():
-        if ".mlp.experts." in name or "embed_tokens" in name and not cfg.tie_word_embeddings:
-            continue
-        total += p.numel() * per_param
-    if cfg.is_moe and routing_ids:
-        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_param
-        total += sum(int(ids.unique().numel()) for ids in routing_ids) * expert
-    return total
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -236,6 +225,11 @@ def main(cfg: BenchConfig) -> None:
     if cfg.mode == "decode":
         res = bench_decode(cfg)
         _print_decode(res)
+    elif cfg.mode == "cost":
+        from .bench_cost import bench_cost, print_cost
+
+        res = bench_cost(cfg)
+        print_cost(res)
     else:
         from .bench_spec import bench_spec, print_spec
 
