@@ -9,6 +9,8 @@ results = eng.generate(prompts, 64, spec=engine.SpecConfig(depth=4, width=2))
 from .checkpoint import CheckpointError, load_model, save_model
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig, ModelConfigError
 from .draft_tree import DraftTree
+from .drafters import ModelDrafter, NGramDrafter
+from .eagle import EagleDrafter, load_feature_drafter
 from .engine import Engine
 from .model import Model
 from .sampling import SamplingParams
@@ -20,6 +22,9 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "CheckpointError",
     "DraftTree",
+    "EagleDrafter",
+    "ModelDrafter",
+    "NGramDrafter",
     "Engine",
     "GenerationResult",
     "Model",
@@ -29,6 +34,7 @@ __all__ = [
     "SamplingParams",
     "SpecConfig",
     "VerifyResult",
+    "load_feature_drafter",
     "load_model",
     "save_model",
 ]

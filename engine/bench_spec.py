@@ -29,10 +29,14 @@ def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
     for name in ("eagle-head", "mtp-head"):  # optional feature heads (python -m engine.train_heads)
         try:
             path = zoo_path(name)
-            from .eagle import load_eagle_drafter
-        except (FileNotFoundError, ImportError):
+        except FileNotFoundError:
             continue
-        out[name.removesuffix("-head")] = load_eagle_drafter(path, target)
+        from .eagle import load_feature_drafter
+
+        try:
+            out[name.removesuffix("-head")] = load_feature_drafter(path, target)
+        except ValueError:  # a head trained for another target checkpoint: skip it
+            continue
     return out
 
 

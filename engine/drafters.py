@@ -18,8 +18,10 @@ Shape letters: N=nodes V=vocab F=frontier W=width.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -65,9 +67,13 @@ def make_drafter(drafter: Any, target: Model, **options: Any) -> Drafter | None:
         if options:
             raise TypeError(f"unknown Engine options {sorted(options)}")
         return None
-    if isinstance(drafter, str):
-        if drafter != "ngram":
-            raise ValueError(f"unknown drafter {drafter!r}; use a Model, 'ngram' or None")
+    if isinstance(drafter, (str, os.PathLike)) and drafter != "ngram":
+        if (Path(drafter) / "config.json").is_file():  # an EAGLE / MTP head folder (engine.train_heads)
+            from .eagle import load_feature_drafter  # lazy: eagle imports this module
+
+            return load_feature_drafter(drafter, target, **options)
+        raise ValueError(f"unknown drafter {drafter!r}; use a Model, 'ngram', a head folder or None")
+    if drafter == "ngram":
         return NGramDrafter(target.vocab_size, **options)
     if isinstance(drafter, Model):
         if drafter.vocab_size != target.vocab_size:
