@@ -44,7 +44,7 @@ class BenchConfig:
     threads: int = 1
     depths: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5, 6, 7, 8])
     widths: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
-    lams: list[float] = field(default_factory=lambda: [0.0])
+    lams: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0, 2.0, 4.0])
     hf: bool = True  # also run transformers (decode) / assisted generation (spec)
     out: str | None = None
     mem_bandwidth: float = 14e9  # B/s, one-thread read bandwidth of this machine class (DESIGN §8)

@@ -34,10 +34,33 @@ def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
         from .eagle import load_feature_drafter
 
         try:
-            out[name.removesuffix("-head")] = load_feature_drafter(path, target)
+            predictor = zoo_path("expert-predictor")
+        except FileNotFoundError:
+            predictor = None
+        try:
+            out[name.removesuffix("-head")] = load_feature_drafter(path, target, predictor=predictor)
         except ValueError:  # a head trained for another target checkpoint: skip it
             continue
     return out
+
+
+def lambda_sweep(cfg: BenchConfig, target, drafter, prompts) -> list[dict]:
+    """Expert-cost-aware node selection (EcoSpec 2607.12696): same tree pool and verify budget, λ and
+    score varied; τ and distinct experts per layer per verification."""
+    import engine
+
+    eng = engine.Engine(target, drafter=drafter)
+    rows = []
+    for score in ("ecospec", "logp"):
+        for lam in cfg.lams:
+            if lam == 0 and score == "logp":
+                continue
+            spec = engine.SpecConfig(depth=4, width=2, frontier=4, max_verify=8, lam=lam, score=score)
+            run = _run(eng, prompts, cfg.new_tokens, spec)
+            run.pop("footprint")
+            run.pop("tokens")
+            rows.append({"score": score if lam else "probability", "lam": lam, **run})
+    return rows
 
 
 def _run(eng, prompts, n, spec) -> dict:
@@ -129,6 +152,9 @@ def bench_spec(cfg: BenchConfig) -> dict:
             for k, d in drafters.items()
             if hasattr(d, "parameters")
         }
+        lam_drafter = drafters.get("eagle") or drafters.get("mtp")
+        if lam_drafter is not None and getattr(lam_drafter, "predictor", None) is not None:
+            section["lambda_sweep"] = lambda_sweep(cfg, target, lam_drafter, prompts)
         report[wl] = section
     return report
 
@@ -201,3 +227,9 @@ def print_spec(res: dict) -> None:
                 f"({a['config']}; identical tokens: {a['same_tokens']})"
             )
         print("drafter memory (MB):", {k: round(v, 2) for k, v in s["drafter_memory_mb"].items()})
+        if "lambda_sweep" in s:
+            print("\nexpert-cost-aware selection (EAGLE drafter, K=4 W=2 frontier 4, 8 verified nodes):")
+            print(f"{'score':>12} {'lambda':>6} {'tau':>5} {'experts/layer':>13} {'tok/s':>7}")
+            for x in s["lambda_sweep"]:
+                print(f"{x['score']:>12} {x['lam']:>6.2f} {x['tau']:>5.2f} {x['distinct_experts']:>13.2f} "
+                      f"{x['tok_s']:>7.0f}")

@@ -230,7 +230,7 @@ class DecoderLayer(nn.Module):
                 router_logits.append(logits)
             return out
         with maybe_phase(timer, "mlp"):
-            return self.mlp(h)
+            return self.mlp.forward(h)
 
 
 class DecoderModel(nn.Module):

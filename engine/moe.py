@@ -48,7 +48,16 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled() or self.gate_proj.bias is not None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # inference: gate and up projections in one matmul (weights frozen; built once)
+        fused = self.__dict__.get("_gate_up")
+        w = self.gate_proj.weight
+        if fused is None or fused.device != w.device or fused.dtype != w.dtype:
+            fused = self.__dict__["_gate_up"] = torch.cat([w, self.up_proj.weight]).detach()
+        h = F.linear(x, fused)
+        inter = w.shape[0]
+        return F.linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight)
 
 
 class Experts(nn.Module):
