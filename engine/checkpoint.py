@@ -219,6 +219,11 @@ def save_model(
             shutil.copy(tokenizer_json, tmp / "tokenizer.json")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        umask = os.umask(0)  # mkdtemp made the folder 0700: give files the usual permissions
+        os.umask(umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .moe import DenseMLP, MoEBlock, RoutingRecord, load_balancing_loss
+from .moe import DenseMLP, MoEBlock, RoutingRecord, fused_weight, load_balancing_loss
 from .timing import PhaseTimer, maybe_phase
 
 
@@ -113,15 +113,12 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Concatenated q/k/v weights for one matmul at inference (built once, frozen weights)."""
-        fused = self.__dict__.get("_qkv")
-        if fused is None or fused[0].device != self.q_proj.weight.device or fused[0].dtype != self.q_proj.weight.dtype:
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-            b = None
-            if self.q_proj.bias is not None:
-                b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
-            fused = self.__dict__["_qkv"] = (w, b)
-        return fused
+        """Concatenated q/k/v weights (and biases) for one matmul at inference."""
+        w = fused_weight(self, "_qkv_w", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        b = None
+        if self.q_proj.bias is not None:
+            b = fused_weight(self, "_qkv_b", [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        return w, b
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., D] -> q [..., H, hd], k, v [..., Hkv, hd] with qk-norm and RoPE applied."""

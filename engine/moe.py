@@ -38,6 +38,16 @@ class RoutingRecord:
     keep_logits: bool = False
 
 
+def fused_weight(owner: nn.Module, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) cached on `owner` for inference matmuls; rebuilt whenever any part changes
+    (storage, in-place version counter, device or dtype), so weight updates are never missed."""
+    key = tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in parts)
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        cached = owner.__dict__[name] = (key, torch.cat(parts).detach())
+    return cached[1]
+
+
 class DenseMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
@@ -50,13 +60,9 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or self.gate_proj.bias is not None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        # inference: gate and up projections in one matmul (weights frozen; built once)
-        fused = self.__dict__.get("_gate_up")
-        w = self.gate_proj.weight
-        if fused is None or fused.device != w.device or fused.dtype != w.dtype:
-            fused = self.__dict__["_gate_up"] = torch.cat([w, self.up_proj.weight]).detach()
-        h = F.linear(x, fused)
-        inter = w.shape[0]
+        # inference: gate and up projections in one matmul
+        h = F.linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]))
+        inter = self.gate_proj.weight.shape[0]
         return F.linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight)
 
 
@@ -93,15 +99,11 @@ class MoEBlock(nn.Module):
 
     def _fused_input(self) -> torch.Tensor:
         """[E + 2Fs + 1, D]: router, shared gate/up and shared-expert gate rows for one matmul."""
-        fused = self.__dict__.get("_fused")
-        w = self.gate.weight
-        if fused is None or fused.device != w.device or fused.dtype != w.dtype:
-            parts = [w]
-            if self.shared_expert is not None:
-                se = self.shared_expert
-                parts += [se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight]
-            fused = self.__dict__["_fused"] = torch.cat(parts).detach()
-        return fused
+        parts = [self.gate.weight]
+        if self.shared_expert is not None:
+            se = self.shared_expert
+            parts += [se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight]
+        return fused_weight(self, "_fused", parts)
 
     def route(
         self, x: torch.Tensor, router_logits: torch.Tensor | None = None

@@ -65,10 +65,10 @@ class TrainConf:
     """Optimiser and schedule of one model: AdamW, linear warmup, cosine decay to min_lr_ratio * lr."""
 
     steps: int = 1000
-    batch_size: int = 16
+    batch_size: int = 8  # at a fixed budget, more updates beat bigger batches for these tiny models
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -112,7 +112,7 @@ class TargetConf:
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.01
     max_position_embeddings: int = 1024
-    train: TrainConf = field(default_factory=lambda: TrainConf(steps=1000))
+    train: TrainConf = field(default_factory=lambda: TrainConf(steps=800))
 
 
 @dataclass
@@ -128,7 +128,7 @@ class DrafterConf:
     kl_weight: float = 1.0
     ce_weight: float = 0.1
     init_embeddings_from_target: bool = True  # copy the target's (tied) embeddings when the widths match
-    train: TrainConf = field(default_factory=lambda: TrainConf(steps=800))
+    train: TrainConf = field(default_factory=lambda: TrainConf(steps=500))
 
 
 @dataclass
@@ -136,9 +136,9 @@ class ZooConf:
     out_dir: str = "zoo"  # relative: to the directory the command was started from
     seed: int = 0
     seq_len: int = 256
-    threads: int = 2
+    threads: int = 1  # 2 threads: 1.5x faster on an idle 2-core machine, ~10x slower on a shared one
     autocast: str = "auto"  # "auto" (bf16 iff the CPU has native bf16 dot products) | "bf16" | "off"
-    eval_tokens: int = 16384  # per corpus, held-out side
+    eval_tokens: int = 8192  # per corpus, held-out side
     curve_tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     progress: bool = True
     corpus: CorpusConf = field(default_factory=CorpusConf)
@@ -150,14 +150,20 @@ class ZooConf:
 ConfigStore.instance().store(name="zoo_schema", node=ZooConf)
 
 
+# Fields shared by both configs: SiLU, default RoPE, tied embeddings, <|endoftext|> = 0 = bos/eos, <|pad|> = 1.
+_HF_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, use_sliding_window=False,
+                  tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1)  # fmt: skip
+
+
 def target_hf_config(c: TargetConf, vocab_size: int) -> dict:
-    """HF `config.json` dict of the target."""
+    """HF `config.json` dict of the target (every layer sparse, shared expert with sigmoid gate)."""
     return dict(
+        _HF_COMMON,
         model_type="qwen2_moe",
         architectures=["Qwen2MoeForCausalLM"],
         vocab_size=vocab_size,
         hidden_size=c.hidden_size,
-        intermediate_size=c.shared_expert_intermediate_size,  # unused: every layer is sparse
+        intermediate_size=c.shared_expert_intermediate_size,  # unused: no dense layers
         num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_heads,
         num_key_value_heads=c.num_kv_heads,
@@ -170,15 +176,7 @@ def target_hf_config(c: TargetConf, vocab_size: int) -> dict:
         mlp_only_layers=[],
         router_aux_loss_coef=c.router_aux_loss_coef,
         output_router_logits=False,
-        hidden_act="silu",
         max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        use_sliding_window=False,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
     )
 
 
@@ -187,6 +185,7 @@ def drafter_hf_config(c: DrafterConf, vocab_size: int, max_positions: int) -> di
     if c.model_type not in ("qwen2", "llama"):
         raise ValueError(f"drafter.model_type must be 'qwen2' or 'llama', got {c.model_type!r}")
     return dict(
+        _HF_COMMON,
         model_type=c.model_type,
         architectures=["Qwen2ForCausalLM" if c.model_type == "qwen2" else "LlamaForCausalLM"],
         vocab_size=vocab_size,
@@ -195,15 +194,7 @@ def drafter_hf_config(c: DrafterConf, vocab_size: int, max_positions: int) -> di
         num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_heads,
         num_key_value_heads=c.num_kv_heads,
-        hidden_act="silu",
         max_position_embeddings=max_positions,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        use_sliding_window=False,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
     )
 
 
@@ -235,9 +226,7 @@ def batches(windows: torch.Tensor, batch_size: int, steps: int, seed: int) -> It
         pos += batch_size
 
 
-def make_optimizer(
-    model: Model, c: TrainConf
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model: Model, c: TrainConf) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (weight decay on matrices only) + linear warmup and cosine decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -458,8 +447,7 @@ def run(
     T1 = conf.seq_len + 1
     train_windows = torch.cat([corpus_lib.windows(s, T1) for s in train_streams.values()])  # [W, T+1]
     heldout = {
-        c: corpus_lib.windows(s, T1, max(1, conf.eval_tokens // conf.seq_len))
-        for c, s in heldout_streams.items()
+        c: corpus_lib.windows(s, T1, max(1, conf.eval_tokens // conf.seq_len)) for c, s in heldout_streams.items()
     }
     heldout = {c: w for c, w in heldout.items() if w.shape[0]}
     token_counts = {
@@ -480,9 +468,7 @@ def run(
         with torch.no_grad():
             drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
     t0 = time.perf_counter()
-    drafter_stats = distill_drafter(
-        drafter, target, train_windows, conf.drafter, conf.seed + 1, bf16, conf.progress
-    )
+    drafter_stats = distill_drafter(drafter, target, train_windows, conf.drafter, conf.seed + 1, bf16, conf.progress)
     seconds["drafter"] = time.perf_counter() - t0
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -491,9 +477,7 @@ def run(
         tok.save(str(tok_file))
         extra = {"tokenizer_config.json": json.dumps(_tokenizer_config(max_pos), indent=2)}
         for name, model in (("tiny-moe", target), ("tiny-dense", drafter)):
-            save_model(
-                model, out_dir / name, dtype=torch.bfloat16, tokenizer_json=tok_file, extra_files=extra
-            )
+            save_model(model, out_dir / name, dtype=torch.bfloat16, tokenizer_json=tok_file, extra_files=extra)
 
     # Report on what ships: the bf16 folders re-loaded from disk into fp32.
     t0 = time.perf_counter()

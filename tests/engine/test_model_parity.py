@@ -61,3 +61,29 @@ def test_routing_is_recorded_per_moe_layer(tiny_moe_dir):
         assert ids.shape == (5, cfg.top_r) and w.shape == (5, cfg.top_r)
         assert int(ids.min()) >= 0 and int(ids.max()) < cfg.num_experts
     torch.testing.assert_close(out.logits, model.logits(torch.tensor([[1, 2, 3, 4, 5]]))[0])
+
+
+def test_inference_caches_follow_weight_updates():
+    from engine.checkpoint import build_model
+
+    model = build_model(tiny_config("qwen2_moe"), seed=1)
+    ids = torch.randint(0, 97, (1, 6))
+    from engine.batching import chain_item, pack
+    from engine.kv_cache import PagedKVCache
+
+    def cached_logits():
+        cfg = model.config
+        kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 16)
+        kv.add_sequence(0)
+        kv.reserve(0, 6)
+        slots = kv.slots(0, range(6))
+        with torch.inference_mode():
+            return model.forward_batch(pack([chain_item(ids[0], slots[:0], slots)], model.device), kv).logits
+
+    before = cached_logits()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    after = cached_logits()
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, model.logits(ids)[0], atol=1e-4, rtol=1e-4)

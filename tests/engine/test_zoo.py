@@ -23,9 +23,7 @@ CODE = (
     "def f(x: int) -> int:\n\t'''Tabs, unicode: café ∑ 🙂.'''\n    return x  +  1   \n\r\n"
     "class A:\n    pass\n\n\n# trailing spaces   \nif __name__ == '__main__':\n    print(f(1))\n"
 )
-ENGLISH = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune — «naïve»."
-)
+ENGLISH = "It is a truth universally acknowledged, that a single man in possession of a good fortune — «naïve»."
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +63,7 @@ def test_smoke_run_writes_manifest_and_folders(smoke_zoo: Path) -> None:
 def test_smoke_checkpoint_matches_transformers(smoke_zoo: Path, name: str) -> None:
     transformers = pytest.importorskip("transformers")
     ours = load_model(smoke_zoo / name, dtype=torch.float32)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smoke_zoo / name), dtype=torch.float32
-    ).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(smoke_zoo / name), dtype=torch.float32).eval()
     ids = torch.randint(0, ours.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = theirs(ids).logits.float()
@@ -189,9 +185,24 @@ def test_configs_compose() -> None:
         default = OmegaConf.to_object(compose(config_name="zoo"))
         smoke = OmegaConf.to_object(compose(config_name="zoo", overrides=["+experiment=zoo_smoke", "seed=5"]))
     assert isinstance(default, ZooConf) and isinstance(smoke, ZooConf)
-    assert (
-        default.out_dir == "zoo" and default.target.num_experts == 16 and default.tokenizer.vocab_size == 4096
-    )
+    assert default.out_dir == "zoo" and default.target.num_experts == 16 and default.tokenizer.vocab_size == 4096
     assert smoke.out_dir != "zoo" and smoke.seed == 5
     assert smoke.target.train.steps < default.target.train.steps
     assert smoke.target.train.lr == default.target.train.lr  # presets override only what they name
+
+
+def test_shipped_zoo_loads_within_size_budget() -> None:
+    try:
+        target_dir, drafter_dir = zoo_path("tiny-moe"), zoo_path("tiny-dense")
+    except FileNotFoundError:
+        pytest.skip("no shipped zoo/ (build it with `python -m engine.zoo`)")
+    target, drafter = load_model(target_dir), load_model(drafter_dir)
+    assert target.config.is_moe and target.config.shared_expert_intermediate_size > 0
+    assert not drafter.config.is_moe
+    assert target.vocab_size == drafter.vocab_size == target.tokenizer.get_vocab_size()
+    weights = sum((d / "model.safetensors").stat().st_size for d in (target_dir, drafter_dir))
+    assert weights < 20e6
+    ids = torch.tensor([target.tokenizer.encode("def main():\n    return").ids])
+    assert torch.isfinite(target.logits(ids)).all() and torch.isfinite(drafter.logits(ids)).all()
+    manifest = json.loads((target_dir.parent / "manifest.json").read_text())
+    assert manifest["heldout"]["all"]["top1_agreement"] > 0.3
