@@ -41,6 +41,7 @@ from tqdm import tqdm
 from . import corpus as corpus_lib
 from .checkpoint import build_model, load_model, save_model
 from .model import Model
+from .train_heads import HEAD_NAMES, TrainHeadsConf, train_all_heads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ZOO_NAMES = ("tiny-moe", "tiny-dense")
@@ -145,6 +146,8 @@ class ZooConf:
     tokenizer: TokenizerConf = field(default_factory=TokenizerConf)
     target: TargetConf = field(default_factory=TargetConf)
     drafter: DrafterConf = field(default_factory=DrafterConf)
+    heads: TrainHeadsConf = field(default_factory=TrainHeadsConf)  # EAGLE / MTP heads, expert predictor
+    train_heads: bool = True
 
 
 ConfigStore.instance().store(name="zoo_schema", node=ZooConf)
@@ -409,6 +412,7 @@ class ZooResult:
     seconds: dict
     config: dict
     machine: dict
+    heads: dict = field(default_factory=dict)
 
 
 def run(
@@ -485,6 +489,12 @@ def run(
     report = evaluate(shipped_target, shipped_drafter, heldout)
     curve = verify_cost_curve(shipped_target, list(conf.curve_tokens))
     seconds["eval"] = time.perf_counter() - t0
+    heads: dict = {}
+    if conf.train_heads:  # on the shipped bf16 target folder, so the heads record its digest
+        t0 = time.perf_counter()
+        heads = train_all_heads(out_dir / "tiny-moe", out_dir, train_streams, heldout_streams, conf.heads,
+                                progress=conf.progress, log=log)  # fmt: skip
+        seconds["heads"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - wall0
 
     result = ZooResult(
@@ -499,7 +509,8 @@ def run(
         drafter={**drafter_stats, "params": _num_params(drafter), "hf_config": drafter.config.raw},
         heldout=report,
         verify_cost_curve=curve,
-        checkpoint_bytes={n: _folder_bytes(out_dir / n) for n in ZOO_NAMES},
+        checkpoint_bytes={n: _folder_bytes(out_dir / n) for n in ZOO_NAMES + (HEAD_NAMES if heads else ())},
+        heads=heads,
         seconds=seconds,
         config=asdict(conf),
         machine={"python": platform.python_version(), "torch": torch.__version__, "threads": conf.threads},
@@ -571,6 +582,16 @@ def render_readme(r: ZooResult) -> str:
         "",
         heldout_table(r.heldout),
     ]
+    if r.heads:
+        e, m, p = r.heads["eagle"], r.heads["mtp"], r.heads["expert_predictor"]
+        lines += [
+            "",
+            f"- `eagle-head/`: EAGLE feature head, top-1 agreement with the target {e['eagle_top1_agreement']:.3f}",
+            f"- `mtp-head/`: MTP module, t+2 top-1 accuracy {m['mtp_top1_accuracy_t2']:.3f}, "
+            f"agreement with the target's t+2 argmax {m['mtp_top1_agreement_t2']:.3f}",
+            f"- `expert-predictor/`: top-r recall per MoE layer {p['topr_recall_per_layer']} "
+            f"(random {p['random_baseline']:.3f})",
+        ]
     curve = ", ".join(f"{k} {v:.2f}" for k, v in r.verify_cost_curve.items() if not k.startswith("ms_"))
     lines += [
         "",
