@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from .bench_cost import CostBenchConfig
+from .cli import quiet_hydra_argv
 
 MODES = ("decode", "spec", "cost")
 
@@ -240,19 +240,6 @@ def main(cfg: BenchConfig) -> None:
     print(f"\nwrote {out}")
 
 
-def _argv_mode() -> None:
-    """Allow `python -m engine.bench spec` (a positional mode) next to Hydra overrides."""
-    if len(sys.argv) > 1 and sys.argv[1] in MODES:
-        sys.argv[1] = f"mode={sys.argv[1]}"
-    if not any(a.startswith("hydra.run.dir") for a in sys.argv):
-        sys.argv += [
-            "hydra.run.dir=.",
-            "hydra.output_subdir=null",
-            "hydra/job_logging=disabled",
-            "hydra/hydra_logging=disabled",
-        ]
-
-
 if __name__ == "__main__":
-    _argv_mode()
+    quiet_hydra_argv(MODES)
     main()

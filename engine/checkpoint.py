@@ -17,6 +17,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -197,29 +199,16 @@ def hub_state_dict(model: Model, dtype: torch.dtype | None = None) -> dict[str, 
     return out
 
 
-def save_model(
-    model: Model,
-    path: str | os.PathLike,
-    dtype: torch.dtype | None = None,
-    tokenizer_json: str | os.PathLike | None = None,
-    extra_files: dict[str, str] | None = None,
-) -> Path:
-    """Write an HF folder (config.json, model.safetensors, optional tokenizer.json) atomically."""
+@contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces `path` in one rename (with the usual
+    file permissions), on any error it is removed: a reader never sees a half-written checkpoint."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        raw = dict(model.config.raw)
-        raw.setdefault("rope_parameters", {"rope_theta": model.config.rope_theta, "rope_type": "default"})
-        if dtype is not None:
-            raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
-        save_file(hub_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer_json is not None:
-            shutil.copy(tokenizer_json, tmp / "tokenizer.json")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        umask = os.umask(0)  # mkdtemp made the folder 0700: give files the usual permissions
+        yield tmp
+        umask = os.umask(0)  # mkdtemp made the folder 0700
         os.umask(umask)
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)
@@ -230,4 +219,35 @@ def save_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def save_module_folder(path: str | os.PathLike, config: dict, module: torch.nn.Module, dtype: torch.dtype) -> Path:
+    """An HF-like folder for a non-HF module (heads, predictors): config.json + model.safetensors."""
+    with atomic_folder(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in module.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Path(path)
+
+
+def save_model(
+    model: Model,
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    tokenizer_json: str | os.PathLike | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write an HF folder (config.json, model.safetensors, optional tokenizer.json) atomically."""
+    path = Path(path)
+    with atomic_folder(path) as tmp:
+        raw = dict(model.config.raw)
+        raw.setdefault("rope_parameters", {"rope_theta": model.config.rope_theta, "rope_type": "default"})
+        if dtype is not None:
+            raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
+        save_file(hub_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_json is not None:
+            shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return path

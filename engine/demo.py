@@ -11,7 +11,6 @@ verification, and the speed-up measured side by side. Any field of `DemoConfig` 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -118,11 +117,7 @@ def main(cfg: DemoConfig) -> None:
 
 
 if __name__ == "__main__":
-    if not any(a.startswith("hydra.run.dir") for a in sys.argv):
-        sys.argv += [
-            "hydra.run.dir=.",
-            "hydra.output_subdir=null",
-            "hydra/job_logging=disabled",
-            "hydra/hydra_logging=disabled",
-        ]
+    from .cli import quiet_hydra_argv
+
+    quiet_hydra_argv()
     main()

@@ -40,18 +40,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .batching import PackItem, chain_item, pack
+from .checkpoint import save_module_folder
 from .config import ModelConfig, parse_config
 from .draft_tree import DraftTree, ancestor_mask
 from .drafters import MAX_TREE_NODES, TreeGrowth
@@ -181,30 +180,17 @@ def save_head(head: FeatureHead, path: str | os.PathLike, target: Model, dtype: 
     """HF-like folder: config.json (`model_type` expertspec_eagle / expertspec_mtp) + model.safetensors.
 
     Only the head's own weights are saved; embeddings and lm_head are the target's."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        tcfg = target.config
-        config = {
-            "model_type": head.model_type,
-            **asdict(head.config),
-            "torch_dtype": str(dtype).removeprefix("torch."),
-            "target": {"model_type": tcfg.model_type, "hidden_size": tcfg.hidden_size,
-                       "vocab_size": tcfg.vocab_size, "num_layers": tcfg.num_layers,
-                       "weights_sha256": target_digest(target)},
-            **(extra or {}),
-        }  # fmt: skip
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    tcfg = target.config
+    config = {
+        "model_type": head.model_type,
+        **asdict(head.config),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "target": {"model_type": tcfg.model_type, "hidden_size": tcfg.hidden_size,
+                   "vocab_size": tcfg.vocab_size, "num_layers": tcfg.num_layers,
+                   "weights_sha256": target_digest(target)},
+        **(extra or {}),
+    }  # fmt: skip
+    return save_module_folder(path, config, head, dtype)
 
 
 def target_digest(target: Model) -> str | None:

@@ -18,7 +18,6 @@ Shape letters: L=MoE layers E=experts.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -202,12 +201,8 @@ def main(cfg: EPRunConfig) -> None:
         raise SystemExit(1)
 
 
-def _argv() -> None:
-    if not any(a.startswith("hydra.run.dir") for a in sys.argv):
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                     "hydra/hydra_logging=disabled"]  # fmt: skip
-
-
 if __name__ == "__main__":
-    _argv()
+    from .cli import quiet_hydra_argv
+
+    quiet_hydra_argv()
     main()

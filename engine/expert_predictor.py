@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from .checkpoint import save_module_folder
 from .draft_tree import DraftTree, select_by_probability, select_expert_aware
 from .model import RMSNorm
 from .spec import SpecConfig
@@ -143,26 +142,9 @@ def save_expert_predictor(
     predictor: ExpertPredictor, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None
 ) -> Path:
     """HF-like folder: config.json (`model_type: expertspec_expert_predictor`) + model.safetensors."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        config = {
-            "model_type": MODEL_TYPE,
-            **asdict(predictor.config),
-            "torch_dtype": str(dtype).removeprefix("torch."),
-        }
-        config["moe_layers"] = list(predictor.config.moe_layers)
-        (tmp / "config.json").write_text(json.dumps({**config, **(extra or {})}, indent=2, sort_keys=True))
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in predictor.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    config = {"model_type": MODEL_TYPE, **asdict(predictor.config), "torch_dtype": str(dtype).removeprefix("torch.")}
+    config["moe_layers"] = list(predictor.config.moe_layers)
+    return save_module_folder(path, {**config, **(extra or {})}, predictor, dtype)
 
 
 def load_expert_predictor(
