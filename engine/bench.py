@@ -139,17 +139,19 @@ def _hf_generate(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
 def _step_vs_bound(model, cfg: BenchConfig) -> dict:
     import engine
 
-    eng = engine.Engine(model, instrument=True, timing=False)
     prompt = _prompts(cfg, model.tokenizer, 1)
-    res = eng.generate(prompt, 64)
-    steps = res[0].rounds[8:]
-    step_s = statistics.median(r.round_seconds for r in steps)
-    mean_u = statistics.mean(r.mean_distinct_experts for r in steps) if model.config.is_moe else 0
+    routed = engine.Engine(model, instrument=True, timing=False).generate(prompt, 64)[0].rounds[8:]
+    mean_u = statistics.mean(r.mean_distinct_experts for r in routed) if model.config.is_moe else 0
+    plain = engine.Engine(model, instrument=False, timing=False).generate(prompt, 64)[0].rounds[8:]
+    step_s = statistics.median(r.round_seconds for r in plain)
     cfgm = model.config
     per_param = model.dtype.itemsize
+    # every dense weight, the LM head (tied or not) and the routed experts; the embedding reads one row
     dense = sum(
         p.numel() for n_, p in model.named_parameters() if ".mlp.experts." not in n_ and "embed_tokens" not in n_
     )
+    if cfgm.tie_word_embeddings:
+        dense += model.lm_head.weight.numel()
     expert = 3 * cfgm.hidden_size * cfgm.moe_intermediate_size
     touched = (dense + len(cfgm.moe_layers) * mean_u * expert) * per_param
     bound = touched / cfg.mem_bandwidth
