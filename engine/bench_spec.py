@@ -33,8 +33,8 @@ def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
             continue
         from .eagle import load_feature_drafter
 
-        try:
-            predictor = zoo_path("expert-predictor")
+        try:  # the shipped predictor reads EAGLE features
+            predictor = zoo_path("expert-predictor") if name == "eagle-head" else None
         except FileNotFoundError:
             predictor = None
         try:
