@@ -103,7 +103,7 @@ def main(cfg: DemoConfig) -> None:
         s = _summary(res)
         toks = sum(len(r.token_ids) for r in res)
         same = [r.token_ids for r in res] == [r.token_ids for r in base]
-        acc = " ".join(f"{a:.2f}" for a in s["acc"]) or "-"
+        acc = " ".join("-" if a != a else f"{a:.2f}" for a in s["acc"]) or "-"  # NaN: depth never reached
         print(
             f"{name:<28} {toks / walls[name]:>7.0f} {walls['target-only'] / walls[name]:>7.2f}x "
             f"{s['tau']:>5.2f} {s['n']:>5.1f} {s['experts']:>13.2f}  {acc:<21} {same}"
