@@ -107,9 +107,7 @@ class ModelSpec:
         if self.compute_dtype not in ("bf16", "fp8"):
             raise ValueError(f"compute_dtype must be 'bf16' or 'fp8', got {self.compute_dtype!r}")
         if not 0 <= self.num_dense_layers <= self.num_layers or not 0 < self.top_r <= self.num_experts:
-            raise ValueError(
-                f"{self.name}: need 0 <= num_dense_layers <= num_layers and 0 < top_r <= num_experts"
-            )
+            raise ValueError(f"{self.name}: need 0 <= num_dense_layers <= num_layers and 0 < top_r <= num_experts")
 
     @property
     def num_moe_layers(self) -> int:
@@ -184,9 +182,7 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     return _load_yaml_dataclass(ModelSpec, "model_spec", name_or_path)
 
 
-def model_spec_from_hf_config(
-    config: Mapping[str, Any], name: str = "hf", weight_bytes: float = 2.0
-) -> ModelSpec:
+def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "hf", weight_bytes: float = 2.0) -> ModelSpec:
     """ModelSpec of a Hugging Face MoE `config.json` (qwen2_moe, qwen3_moe, mixtral, olmoe)."""
     heads = config["num_attention_heads"]
     shared_dim = int(config.get("shared_expert_intermediate_size") or 0)
@@ -292,13 +288,9 @@ class RooflineCost:
 
     def _router_time(self, n: int) -> float:
         s = self.spec
-        return self._roof(
-            s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts
-        )
+        return self._roof(s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts)
 
-    def _dispatch_time(
-        self, token_rank: torch.Tensor, serving: torch.Tensor, placement: ExpertPlacement
-    ) -> float:
+    def _dispatch_time(self, token_rank: torch.Tensor, serving: torch.Tensor, placement: ExpertPlacement) -> float:
         """One all-to-all: each token goes once to every remote rank serving one of its experts."""
         W, rpn = placement.world_size, placement.ranks_per_node
         src = token_rank[:, None].expand_as(serving)  # [n, r]
@@ -328,9 +320,7 @@ class RooflineCost:
         """Cost of one forward over n verified tokens. routing: one LongTensor [n, r] per MoE layer."""
         s = self.spec
         if len(routing) != s.num_moe_layers:
-            raise ValueError(
-                f"routing has {len(routing)} layers, spec {s.name} has {s.num_moe_layers} MoE layers"
-            )
+            raise ValueError(f"routing has {len(routing)} layers, spec {s.name} has {s.num_moe_layers} MoE layers")
         n = int(routing[0].shape[0]) if len(routing) else 0
         if token_rank is None:
             token_rank = torch.zeros(n, dtype=torch.long)
@@ -386,9 +376,7 @@ class RooflineCost:
             return self.expected_cost(1, context_len)
         return self.forward_cost(routing, context_len)
 
-    def expected_cost(
-        self, num_tokens: int, context_len: int, num_samples: int = 16, seed: int = 0
-    ) -> CostBreakdown:
+    def expected_cost(self, num_tokens: int, context_len: int, num_samples: int = 16, seed: int = 0) -> CostBreakdown:
         """Cost of n tokens under uniform independent routing.
 
         Without EP: closed form, U = M·[1 − (1 − r/M)^n] active experts holding n·r/U tokens each.
@@ -408,18 +396,12 @@ class RooflineCost:
             mean = {k: sum(getattr(c, k) for c in costs) / num_samples for k in PHASES}
             per_layer = tuple(float(np.mean([c.per_layer[i] for c in costs])) for i in range(s.num_layers))
             return CostBreakdown(**mean, per_layer=per_layer)
-        base = self.forward_cost(
-            [torch.zeros(num_tokens, 0, dtype=torch.long)] * s.num_moe_layers, context_len
-        )
+        base = self.forward_cost([torch.zeros(num_tokens, 0, dtype=torch.long)] * s.num_moe_layers, context_len)
         active = expected_distinct_experts(s.num_experts, s.top_r, num_tokens)
         per_expert = torch.tensor([num_tokens * s.top_r / active]) if active > 0 else torch.zeros(1)
         expert = self._experts_time(per_expert, count=active)  # shared experts are already in `base`
-        per_layer = tuple(
-            t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer)
-        )
-        return dataclasses.replace(
-            base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert, per_layer=per_layer
-        )
+        per_layer = tuple(t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer))
+        return dataclasses.replace(base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert, per_layer=per_layer)
 
 
 # ---------------------------------------------------------------------- fitted model
@@ -455,12 +437,7 @@ class FittedCost:
 
     def predict(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
         x = cost_features(routing, context_len)
-        return (
-            x[0] * self.fixed
-            + x[1] * self.per_token
-            + x[2] * self.per_active_expert
-            + x[3] * self.per_layer_context
-        )
+        return x[0] * self.fixed + x[1] * self.per_token + x[2] * self.per_active_expert + x[3] * self.per_layer_context
 
     __call__ = predict
 
@@ -487,9 +464,7 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
     y = np.array([s.seconds for s in samples])
     keep = [0] + [j for j in range(1, 4) if np.ptp(X[:, j]) > 0]
     if len(samples) < len(keep):
-        raise ValueError(
-            f"{len(samples)} samples cannot identify {len(keep)} constants {[names[j] for j in keep]}"
-        )
+        raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[names[j] for j in keep]}")
     coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
     values = [0.0] * 4
     for j, c in zip(keep, coef):

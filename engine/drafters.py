@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from .batching import PackItem, chain_item, pack
-from .draft_tree import DraftTree, ancestor_mask, select_by_probability
+from .draft_tree import DraftTree, ancestor_mask, select_by_probability, select_expert_aware
 from .kv_cache import PagedKVCache
 from .model import Model
 from .sampling import SamplingParams, process_logits, sample_from_probs
@@ -187,9 +187,32 @@ class _DraftSeq:
 class ModelDrafter:
     """Independent dense drafter model with its own paged KV cache."""
 
-    def __init__(self, model: Model, block_size: int = 16, num_blocks: int = 256, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        model: Model,
+        block_size: int = 16,
+        num_blocks: int = 256,
+        backend: str = "auto",
+        predictor: Any = None,
+    ) -> None:
+        """predictor: an `engine.expert_predictor.ExpertPredictor` (or its folder) trained on this drafter's
+        hidden states (`input == "dense"`); with it, λ > 0 selects verified nodes by predicted expert cost."""
         self.model = model
         model.set_backend(backend)
+        if isinstance(predictor, (str, os.PathLike)):
+            from .expert_predictor import load_expert_predictor
+
+            predictor = load_expert_predictor(predictor, model.device)
+        if predictor is not None:
+            if predictor.config.input != "dense" or predictor.config.in_features != model.config.hidden_size:
+                raise ValueError(
+                    f"the expert predictor reads {predictor.config.input!r} features of size "
+                    f"{predictor.config.in_features}; this drafter needs one trained on its own hidden states "
+                    f"(input 'dense', size {model.config.hidden_size}): python -m engine.train_heads "
+                    "predictor.dense_drafter=<drafter folder>"
+                )
+            predictor = predictor.eval().requires_grad_(False)
+        self.predictor = predictor
         self.block_size = block_size
         self.kv = self._new_cache(num_blocks)
         self.seqs: dict[int, _DraftSeq] = {}
@@ -221,8 +244,13 @@ class ModelDrafter:
         return self.kv.slots(seq_id, range(length))
 
     @torch.inference_mode()
+    def _forward(self, items: list[PackItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> logits [N, V] float32, final hidden states [N, D] of the packed tokens."""
+        out = self.model.forward_batch(pack(items, self.model.device), self.kv)
+        return out.logits.float(), out.hidden
+
     def _logits(self, items: list[PackItem]) -> torch.Tensor:
-        return self.model.forward_batch(pack(items, self.model.device), self.kv).logits.float()
+        return self._forward(items)[0]
 
     def catch_up(self, seq_id: int, tokens: list[int]) -> torch.Tensor:
         """Feed committed tokens not yet cached; return the logits [V] after the last one."""
@@ -260,12 +288,18 @@ class ModelDrafter:
             items.append(chain_item(tokens[seq.cached :], slots[: seq.cached], slots[seq.cached : len(tokens)]))
             seq.cached = len(tokens)
             seq.fed_slots = {}
-        logits = self._logits(items)
+        logits, hidden = self._forward(items)
         ends = torch.tensor([it.tokens.shape[0] for it in items]).cumsum(0) - 1
-        states = [
-            TreeGrowth(tokens[-1], logits[int(e)], spec, params, generator)
-            for (_, tokens, spec, params, generator), e in zip(requests, ends)
+        # λ > 0 with a predictor: grow the whole bounded pool, predict each node's experts, then select
+        aware = [
+            self.predictor is not None and spec.lam > 0 and not (spec.use_drafted_children and not params.greedy)
+            for _, _, spec, params, _ in requests
         ]
+        states = [
+            TreeGrowth(tokens[-1], logits[int(e)], replace(spec, max_verify=None) if a else spec, params, generator)
+            for (_, tokens, spec, params, generator), e, a in zip(requests, ends, aware)
+        ]
+        feats: list[dict[int, torch.Tensor]] = [{0: hidden[int(e)]} for e in ends]  # node -> drafter hidden
         ctx = [self._slots(seq_id, len(tokens)) for seq_id, tokens, *_ in requests]
         depth = 1
         while True:
@@ -277,18 +311,39 @@ class ModelDrafter:
                     expand.append((i, nxt, self._expand_item(seq_id, ctx[i], st.tok, st.par, st.dep, nxt)))
             if not expand:
                 break
-            logits = self._logits([it for _, _, it in expand])
+            logits, hidden = self._forward([it for _, _, it in expand])
             off = 0
             for i, nxt, _ in expand:
                 states[i].node_logits = {node: logits[off + j] for j, node in enumerate(nxt)}
+                feats[i].update({node: hidden[off + j] for j, node in enumerate(nxt)})
                 states[i].frontier = nxt
                 off += len(nxt)
             depth += 1
+        if any(aware):  # one more forward for the never-expanded leaves: their hidden states feed the predictor
+            leaves = []
+            for i, st in enumerate(states):
+                todo = [n for n in range(1, len(st.tok)) if n not in feats[i]] if aware[i] else []
+                if todo:
+                    leaves.append((i, todo, self._expand_item(requests[i][0], ctx[i], st.tok, st.par, st.dep, todo)))
+            if leaves:
+                _, hidden = self._forward([it for _, _, it in leaves])
+                off = 0
+                for i, todo, _ in leaves:
+                    feats[i].update({node: hidden[off + j] for j, node in enumerate(todo)})
+                    off += len(todo)
         trees = []
-        for (seq_id, *_), st in zip(requests, states):
+        for (seq_id, _, spec, _, _), st, a, f in zip(requests, states, aware, feats):
             tree = st.tree(self.model.vocab_size)
-            if st.spec.max_verify is not None and not st.drafted:
-                tree = tree.subtree(select_by_probability(tree, st.spec.max_verify))
+            keep = None
+            if a:
+                from .expert_predictor import annotate_tree
+
+                annotate_tree(tree, torch.stack([f[n] for n in range(tree.num_nodes)]), self.predictor)
+                keep = select_expert_aware(tree, spec.max_verify or tree.num_nodes - 1, spec.lam, spec.score)
+            elif spec.max_verify is not None and not st.drafted:
+                keep = select_by_probability(tree, spec.max_verify)
+            if keep is not None and keep.numel() < tree.num_nodes:
+                tree = tree.subtree(keep)
                 self.seqs[seq_id].fed_slots = {}  # indices changed: nothing to reuse
             trees.append(tree)
         seconds = time.perf_counter() - t0

@@ -41,9 +41,7 @@ class ExpertPlacement:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
-            raise ValueError(
-                f"world_size ({self.world_size}) and ranks_per_node ({self.ranks_per_node}) must be >= 1"
-            )
+            raise ValueError(f"world_size ({self.world_size}) and ranks_per_node ({self.ranks_per_node}) must be >= 1")
         if len(self.expert_ranks) != self.num_experts:
             raise ValueError(f"placement lists {len(self.expert_ranks)} experts, expected {self.num_experts}")
         dropped = [e for e, ranks in enumerate(self.expert_ranks) if len(ranks) == 0]

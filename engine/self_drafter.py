@@ -145,14 +145,14 @@ class SelfDrafter(ModelDrafter):
                 b.expert_fn = fn
 
     @torch.inference_mode()
-    def _logits(self, items: list[PackItem]) -> torch.Tensor:
+    def _forward(self, items: list[PackItem]) -> tuple[torch.Tensor, torch.Tensor]:
         if self._catch_up_next:  # the first forward of a drafting round: only each root gets verified
             self._record_rows = torch.tensor([it.tokens.shape[0] for it in items]).cumsum(0) - 1
             self._catch_up_next = False
         else:
             self._record_rows = None
         with self._substituting():
-            return super()._logits(items)
+            return super()._forward(items)
 
     @torch.inference_mode()
     def draft_many(

@@ -307,9 +307,7 @@ class SyntheticRouter:
             self.follow[l, self.order[l]] = self.order[l - 1]
 
         # overlap -> sharing is solved at the knots and midway between them, then interpolated in depth
-        points = np.unique(
-            np.concatenate([cal.depth_knots, np.convolve(cal.depth_knots, [0.5, 0.5], "valid")])
-        )
+        points = np.unique(np.concatenate([cal.depth_knots, np.convolve(cal.depth_knots, [0.5, 0.5], "valid")]))
         point_sigma = np.interp(points, cal.depth_knots, knot_sigma)
 
         def per_layer(target: float | None) -> torch.Tensor:
@@ -317,17 +315,13 @@ class SyntheticRouter:
             return torch.tensor(np.interp(depth, points, shares), dtype=torch.float32)
 
         self.temporal_share = per_layer(cal.temporal_overlap)  # [L] q_t
-        parent_target = (
-            cal.tree_parent_overlap if cal.tree_parent_overlap is not None else cal.temporal_overlap
-        )
+        parent_target = cal.tree_parent_overlap if cal.tree_parent_overlap is not None else cal.temporal_overlap
         parent = per_layer(parent_target)  # [L] sharing child-parent
         sibling = torch.maximum(per_layer(cal.tree_sibling_overlap), parent**2)  # [L] between siblings
         # child coordinate = family latent (prob. a) else its own; family latent = parent's (prob. b) else
         # fresh: child-parent sharing a·b, sibling sharing a², so siblings share >= parent² (via the parent)
         self.family_share = sibling.sqrt()  # [L] a
-        self.family_from_parent = torch.where(
-            self.family_share > 0, parent / self.family_share.clamp_min(1e-9), 0.0
-        )
+        self.family_from_parent = torch.where(self.family_share > 0, parent / self.family_share.clamp_min(1e-9), 0.0)
         # Temporal copying dilutes within-token sharing: cells of layers a and b coincide only if both
         # reach back to the same token, P = F(q_a, q_b) = (1-q_a)(1-q_b)/(1-q_a q_b). Spread -log F over the
         # layers so that sharing at CROSSLAYER_DISTANCE stays crosslayer_share ** distance.

@@ -150,9 +150,7 @@ def _walk_greedy(tree: _Tree, target_probs: Tensor) -> VerifyResult:
         node = match
 
 
-def _walk_deterministic_children(
-    tree: _Tree, target_probs: Tensor, generator: torch.Generator | None
-) -> VerifyResult:
+def _walk_deterministic_children(tree: _Tree, target_probs: Tensor, generator: torch.Generator | None) -> VerifyResult:
     accepted: list[int] = []
     children_tried: list[int] = []
     node = 0
@@ -249,9 +247,7 @@ def _normalised(row: Tensor) -> Tensor:
     return row / row.sum()
 
 
-def _check_inputs(
-    draft_tokens: Tensor, parents: Tensor, target_probs: Tensor, draft_probs: Tensor | None
-) -> _Tree:
+def _check_inputs(draft_tokens: Tensor, parents: Tensor, target_probs: Tensor, draft_probs: Tensor | None) -> _Tree:
     """Validate everything up front (no randomness consumed on error); build children lists."""
     if draft_tokens.dim() != 1 or draft_tokens.numel() == 0 or _not_integer(draft_tokens):
         raise ValueError(
@@ -272,9 +268,7 @@ def _check_inputs(
     vocab = target_probs.shape[1]
     if vocab == 0:
         raise ValueError("target_probs has an empty vocabulary dimension")
-    if draft_probs is not None and (
-        draft_probs.shape != target_probs.shape or not draft_probs.is_floating_point()
-    ):
+    if draft_probs is not None and (draft_probs.shape != target_probs.shape or not draft_probs.is_floating_point()):
         raise ValueError(
             f"draft_probs must be a floating tensor of target_probs' shape {tuple(target_probs.shape)}, "
             f"got shape {tuple(draft_probs.shape)} dtype {draft_probs.dtype}"
@@ -288,9 +282,7 @@ def _check_inputs(
     for node in range(1, num_nodes):
         parent = parent_list[node]
         if not 0 <= parent < node:
-            raise ValueError(
-                f"parents must be topological (0 <= parents[i] < i for i > 0): parents[{node}] = {parent}"
-            )
+            raise ValueError(f"parents must be topological (0 <= parents[i] < i for i > 0): parents[{node}] = {parent}")
         children[parent].append(node)
         depths[node] = depths[parent] + 1
     tokens = draft_tokens.tolist()

@@ -57,11 +57,7 @@ def fused_moe(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     args = (hidden, w_gate_up, w_down, expert_ids, topk_weights)
     if backend == "auto":
-        backend = (
-            "triton"
-            if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights)
-            else "torch"
-        )
+        backend = "triton" if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights) else "torch"
     if backend == "torch":
         return fused_moe_ref(*args)
     if _needs_grad(hidden, w_gate_up, w_down, topk_weights):

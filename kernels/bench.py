@@ -251,9 +251,7 @@ def run_gpu(cfg: BenchConfig, device: str = "cuda") -> None:
             err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
             t_ref = None
             if cfg.reference:
-                t_ref = time_eager(
-                    bind(cases, w_gate_up, w_down, fused_moe_ref), max(1, cfg.iters // 4), cuda=True
-                )
+                t_ref = time_eager(bind(cases, w_gate_up, w_down, fused_moe_ref), max(1, cfg.iters // 4), cuda=True)
             print(row(model, T, U, nbytes, bw, t_tri, t_ref, err), flush=True)
             if cfg.tune:
                 tuned.append(tune(shape, T, cases, w_gate_up, w_down, nbytes / bw, cfg.iters))
@@ -277,9 +275,7 @@ def tune(
     timed = []
     for config in tune_grid(T):
         try:
-            timed.append(
-                (time_graph(bind(cases, w_gate_up, w_down, config=config), max(3, iters // 4))[0], config)
-            )
+            timed.append((time_graph(bind(cases, w_gate_up, w_down, config=config), max(3, iters // 4))[0], config))
         except Exception as exc:  # e.g. out of shared memory for the largest tiles
             print(f"  skip {config}: {type(exc).__name__}")
     best_t, best = min(timed, key=lambda x: x[0])

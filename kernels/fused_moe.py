@@ -68,8 +68,7 @@ def check_moe_inputs(
         raise ValueError(f"hidden must be [T, D], got shape {tuple(hidden.shape)}")
     if w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(
-            f"w_gate_up must be [E, 2F, D] and w_down [E, D, F], got {tuple(w_gate_up.shape)} "
-            f"and {tuple(w_down.shape)}"
+            f"w_gate_up must be [E, 2F, D] and w_down [E, D, F], got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}"
         )
     T, D = hidden.shape
     E, F2, D_w = w_gate_up.shape
@@ -86,13 +85,9 @@ def check_moe_inputs(
     if tuple(topk_weights.shape) != (T, r):
         raise ValueError(f"topk_weights must be [T, r] = {(T, r)}, got {tuple(topk_weights.shape)}")
     if not (hidden.is_floating_point() and topk_weights.is_floating_point()):
-        raise ValueError(
-            f"hidden and topk_weights must be floating, got {hidden.dtype}, {topk_weights.dtype}"
-        )
+        raise ValueError(f"hidden and topk_weights must be floating, got {hidden.dtype}, {topk_weights.dtype}")
     if w_gate_up.dtype != hidden.dtype or w_down.dtype != hidden.dtype:
-        raise ValueError(
-            f"weights must have hidden's dtype {hidden.dtype}, got {w_gate_up.dtype} and {w_down.dtype}"
-        )
+        raise ValueError(f"weights must have hidden's dtype {hidden.dtype}, got {w_gate_up.dtype} and {w_down.dtype}")
     devices = {t.device for t in (hidden, w_gate_up, w_down, expert_ids, topk_weights)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -298,11 +293,7 @@ def get_config(num_tokens: int, hidden: int, expert_dim: int) -> MoeBlockConfig:
     entries = [c for c in _tuned_configs() if (c["hidden"], c["expert_dim"]) == (hidden, expert_dim)]
     if entries:
         fitting = [c for c in entries if c["max_tokens"] >= num_tokens]
-        entry = (
-            min(fitting, key=lambda c: c["max_tokens"])
-            if fitting
-            else max(entries, key=lambda c: c["max_tokens"])
-        )
+        entry = min(fitting, key=lambda c: c["max_tokens"]) if fitting else max(entries, key=lambda c: c["max_tokens"])
         return MoeBlockConfig(**{k: v for k, v in entry.items() if k in MoeBlockConfig.__dataclass_fields__})
     # decode-sized batches: few assignments per expert, so a short BLOCK_M wastes the fewest rows
     return MoeBlockConfig(BLOCK_M=16 if num_tokens <= 64 else 64)
@@ -340,9 +331,7 @@ def fused_moe_configured(
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # fp32 tests stay exact
     tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K)
     upcast = hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16  # interpreter lacks bf16 dot
-    opts = dict(
-        DOT_PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps, num_stages=config.num_stages
-    )
+    opts = dict(DOT_PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
 
     grid = (num_blocks * triton.cdiv(F, config.BLOCK_N),)
     launch(

@@ -67,9 +67,7 @@ def check_expert_ids(expert_ids: torch.Tensor, num_experts: int, check_values: b
         return
     lo, hi = (int(v) for v in torch.aminmax(expert_ids))  # one pass, one sync
     if lo < -1 or hi >= num_experts:
-        raise ValueError(
-            f"expert_ids must lie in [-1, {num_experts}) (-1 = expert not local), got min {lo}, max {hi}"
-        )
+        raise ValueError(f"expert_ids must lie in [-1, {num_experts}) (-1 = expert not local), got min {lo}, max {hi}")
 
 
 def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_size: int) -> MoeAlignment:

@@ -120,9 +120,7 @@ def test_ep_layer_time_is_slowest_rank():
     assert ep.dispatch == pytest.approx(3 * D * 2 / HW.nvlink_bandwidth + HW.nvlink_latency)
     assert ep.combine == ep.dispatch
     # two nodes of one rank each: the same bytes cross InfiniBand instead
-    ep2 = RooflineCost(HW, spec, layout=place_experts(4, 2, "contiguous", ranks_per_node=1)).forward_cost(
-        routing, 0
-    )
+    ep2 = RooflineCost(HW, spec, layout=place_experts(4, 2, "contiguous", ranks_per_node=1)).forward_cost(routing, 0)
     assert ep2.dispatch == pytest.approx(3 * D * 2 / HW.internode_bandwidth + HW.internode_latency)
 
 
@@ -132,9 +130,7 @@ def test_expected_cost_matches_uniform_formula_and_decode():
     t_mem = 3 * D * F * 2 / HW.hbm_bandwidth
     base = model.forward_cost([torch.zeros(5, 0, dtype=torch.long)] * 2, 32)
     exp = model.expected_cost(5, 32)
-    assert exp.expert_gemm - base.expert_gemm == pytest.approx(
-        2 * expected_distinct_experts(16, 2, 5) * t_mem
-    )
+    assert exp.expert_gemm - base.expert_gemm == pytest.approx(2 * expected_distinct_experts(16, 2, 5) * t_mem)
     # one token always touches exactly r experts per layer
     one = model.forward_cost([ids([3, 7]), ids([0, 1])], 32)
     assert model.decode_cost(32).total == pytest.approx(one.total)
@@ -212,9 +208,7 @@ def test_fit_recovers_known_constants():
         n = 1 + i % 16
         routing = [torch.rand(n, 16, generator=gen).topk(2, -1).indices for _ in range(4)]
         ctx = int(torch.randint(1, 2000, (1,), generator=gen))
-        seconds = float(np.dot(truth, cost_features(routing, ctx))) * (
-            1 + 1e-3 * float(torch.randn(1, generator=gen))
-        )
+        seconds = float(np.dot(truth, cost_features(routing, ctx))) * (1 + 1e-3 * float(torch.randn(1, generator=gen)))
         samples.append(CostSample(routing, ctx, seconds))
     fitted, r2 = fit_cost_model(samples)
     assert r2 > 0.99

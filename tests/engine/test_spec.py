@@ -176,3 +176,44 @@ def test_bf16_target_with_fp32_drafter_on_another_backend(tiny_moe_dir, tiny_den
     res = eng.generate(PROMPTS, 16, spec=engine.SpecConfig(depth=3, width=2))
     assert [r.token_ids for r in res] == [r.token_ids for r in base]
     assert eng.drafter.kv.k.dtype == torch.float32 and eng.kv.k.dtype == torch.bfloat16
+
+
+def _dense_predictor(target, drafter, input_kind="dense"):
+    from engine.expert_predictor import ExpertPredictor, ExpertPredictorConfig
+
+    cfg = target.config
+    torch.manual_seed(0)
+    return ExpertPredictor(
+        ExpertPredictorConfig(
+            in_features=drafter.config.hidden_size,
+            hidden_size=32,
+            num_experts=cfg.num_experts,
+            top_r=cfg.top_r,
+            moe_layers=tuple(cfg.moe_layers),
+            input=input_kind,
+        )
+    )
+
+
+def test_dense_drafter_with_expert_predictor_selects_and_stays_exact(target, tiny_dense_dir, baseline):
+    from engine.drafters import ModelDrafter
+
+    drafter_model = engine.load_model(tiny_dense_dir)
+    drafter = ModelDrafter(drafter_model, predictor=_dense_predictor(target, drafter_model))
+    eng = engine.Engine(target, drafter=drafter, check_kv=True)
+    for score in ("ecospec", "logp"):
+        spec = engine.SpecConfig(depth=3, width=2, frontier=3, max_verify=4, lam=1.0, score=score)
+        res = eng.generate(PROMPTS, 24, spec=spec)
+        assert [r.token_ids for r in res] == baseline
+        assert all(r.verified_tokens <= 5 for x in res for r in x.rounds)
+        assert any(r.verified_tokens == 5 for x in res for r in x.rounds)
+    eng.kv.check_quiescent()
+    drafter.kv.check_quiescent()
+
+
+def test_dense_drafter_rejects_a_predictor_of_other_features(target, tiny_dense_dir):
+    from engine.drafters import ModelDrafter
+
+    drafter_model = engine.load_model(tiny_dense_dir)
+    with pytest.raises(ValueError, match="hidden states"):
+        ModelDrafter(drafter_model, predictor=_dense_predictor(target, drafter_model, "eagle"))

@@ -29,9 +29,7 @@ UNIFORM = RouterCalibration("uniform", (0.0,), (0.0,), crosslayer_share=0.0, tem
 
 def overlap_between(routing, a, b):
     """Mean share of top-r experts node a[i] has in common with node b[i], over layers."""
-    return sum(float((e[a][:, :, None] == e[b][:, None, :]).any(-1).float().mean()) for e in routing) / len(
-        routing
-    )
+    return sum(float((e[a][:, :, None] == e[b][:, None, :]).any(-1).float().mean()) for e in routing) / len(routing)
 
 
 @needs_data
@@ -41,9 +39,7 @@ def test_generated_counts_match_the_recorded_routing():
     assert cal.crosslayer_share == pytest.approx(DEFAULT_CALIBRATIONS["olmoe"].crosslayer_share, abs=0.01)
     routing = SyntheticRouter(64, 8, 16, cal, seed=0).route_sequence(4000)  # OLMoE shape
     for layer, target in zip((0, 7, 15), cal.popularity_gini):
-        assert gini(torch.bincount(routing[layer].reshape(-1), minlength=64)) == pytest.approx(
-            target, abs=0.03
-        )
+        assert gini(torch.bincount(routing[layer].reshape(-1), minlength=64)) == pytest.approx(target, abs=0.03)
     for (a, b), target in zip(((0, 7), (7, 15)), cal.data_crosslayer_mi):
         mi = crosslayer_mutual_information(rank_aligned_joint(routing[a], routing[b], 64).numpy())
         assert mi == pytest.approx(target, rel=0.25)
@@ -63,9 +59,7 @@ def test_consecutive_tokens_share_experts_like_mixtral_decode():
     per_layer = [top_r_overlap(e) for e in routing]
     assert all(0.34 <= o <= 0.40 for o in per_layer), per_layer
     independent = SyntheticRouter(8, 2, 4, with_overrides(MIXTRAL, temporal_overlap=None), seed=0)
-    assert sum(top_r_overlap(e) for e in independent.route_sequence(4000)) / 4 == pytest.approx(
-        0.25, abs=0.02
-    )
+    assert sum(top_r_overlap(e) for e in independent.route_sequence(4000)) / 4 == pytest.approx(0.25, abs=0.02)
     custom = SyntheticRouter(8, 2, 4, with_overrides(MIXTRAL, temporal_overlap=0.6), seed=0)
     assert sum(top_r_overlap(e) for e in custom.route_sequence(4000)) / 4 == pytest.approx(0.6, abs=0.03)
 
@@ -93,9 +87,7 @@ def test_tree_children_share_experts_with_parent_and_siblings():
 def test_deterministic_for_a_seed():
     a, b, c = (SyntheticRouter(16, 2, 3, seed=s) for s in (7, 7, 8))
     parents = [-1, 0, 0, 1, 1, 2]
-    for x, y in zip(
-        a.route_sequence(50) + a.route_tree(parents), b.route_sequence(50) + b.route_tree(parents)
-    ):
+    for x, y in zip(a.route_sequence(50) + a.route_tree(parents), b.route_sequence(50) + b.route_tree(parents)):
         assert torch.equal(x, y)
     assert not all(torch.equal(x, y) for x, y in zip(a.route_sequence(50), c.route_sequence(50)))
     routing = a.route_sequence(5)
@@ -108,8 +100,6 @@ def test_distinct_experts_curve_vs_uniform():
     assert all(s <= u + 0.3 for s, u in zip(skewed.synthetic, skewed.uniform))
     assert skewed.synthetic[-1] < 0.9 * skewed.uniform[-1]
     assert skewed.synthetic[0] == pytest.approx(8.0)  # one token: exactly r experts
-    uniform = distinct_experts_curve(
-        SyntheticRouter(64, 8, 4, UNIFORM, seed=0), max_tokens=32, num_sequences=32
-    )
+    uniform = distinct_experts_curve(SyntheticRouter(64, 8, 4, UNIFORM, seed=0), max_tokens=32, num_sequences=32)
     for s, u in zip(uniform.synthetic, uniform.uniform):
         assert s == pytest.approx(u, rel=0.03)

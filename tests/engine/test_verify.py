@@ -55,9 +55,7 @@ def _assert_law(tokens: torch.Tensor, expected_probs: torch.Tensor) -> None:
     assert pvalue > MIN_PVALUE, f"chi-square p={pvalue:.2e}: counts {counts.tolist()}"
 
 
-def _multi_draft_acceptance(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, num_children: int
-) -> float:
+def _multi_draft_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, num_children: int) -> float:
     """P(some root child accepted) for i.i.d. children under SpecInfer's residual updates."""
     residual = target_probs.double()
     draft = draft_probs.double()
@@ -82,22 +80,15 @@ def _run_star(
     accepted flag [S], and the results."""
     num_nodes = 1 + num_children
     draft_gen = torch.Generator().manual_seed(99)
-    children = torch.multinomial(
-        draft_probs, num_samples * num_children, replacement=True, generator=draft_gen
-    )
-    tokens = torch.cat(
-        [torch.full((num_samples, 1), 3), children.view(num_samples, num_children)], dim=1
-    )  # [S, N]
+    children = torch.multinomial(draft_probs, num_samples * num_children, replacement=True, generator=draft_gen)
+    tokens = torch.cat([torch.full((num_samples, 1), 3), children.view(num_samples, num_children)], dim=1)  # [S, N]
     parents = torch.tensor([-1] + [0] * num_children)
     leaf_probs = bonus_probs if bonus_probs is not None else target_probs
     target_rows = torch.stack([target_probs] + [leaf_probs] * num_children)  # [N, V]
     draft_rows = torch.zeros(num_nodes, V)  # leaf rows unused: zeros must be accepted
     draft_rows[0] = draft_probs
     generator = make_generator(2024, 0)
-    results = [
-        verify_tree(tokens[i], parents, target_rows, SAMPLE, generator, draft_rows)
-        for i in range(num_samples)
-    ]
+    results = [verify_tree(tokens[i], parents, target_rows, SAMPLE, generator, draft_rows) for i in range(num_samples)]
     first = torch.tensor([r.committed_tokens[0] for r in results])
     accepted = torch.tensor([r.accepted_len for r in results], dtype=torch.float64)
     return first, accepted, results
@@ -259,10 +250,7 @@ def test_temperature_top_p_applied_identically_is_exact() -> None:
     draft_rows = draft_probs.expand(num_nodes, V)
     generator = make_generator(10, 0)
     first = torch.tensor(
-        [
-            verify_tree(t, parents, target_rows, params, generator, draft_rows).committed_tokens[0]
-            for t in tokens
-        ]
+        [verify_tree(t, parents, target_rows, params, generator, draft_rows).committed_tokens[0] for t in tokens]
     )
     _assert_law(first, process_logits(target_logits, params))
 

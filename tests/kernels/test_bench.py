@@ -46,13 +46,9 @@ def test_bench_gpu_table_logic_on_cpu(triton_cpu: None, monkeypatch: pytest.Monk
     from kernels import bench
     from kernels.fused_moe import MoeBlockConfig
 
-    monkeypatch.setattr(
-        bench, "time_graph", lambda fns, iters: (bench.time_eager(fns, 1, cuda=False), "graph")
-    )
+    monkeypatch.setattr(bench, "time_graph", lambda fns, iters: (bench.time_eager(fns, 1, cuda=False), "graph"))
     monkeypatch.setattr(bench, "tune_grid", lambda T: [MoeBlockConfig(), MoeBlockConfig(BLOCK_N=32)])
-    cfg = bench.BenchConfig(
-        models=["cpu_tiny"], tokens=[1, 4], dtype="float32", iters=1, rotations=2, tune=True
-    )
+    cfg = bench.BenchConfig(models=["cpu_tiny"], tokens=[1, 4], dtype="float32", iters=1, rotations=2, tune=True)
     bench.run_gpu(cfg, device="cpu")
     out = capsys.readouterr().out
     assert "unknown GPU 'cpu'" in out

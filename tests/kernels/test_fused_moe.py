@@ -155,9 +155,7 @@ def test_triton_half_precision(triton_cpu: None, dtype: torch.dtype) -> None:
 def test_triton_bf16_routing_weights_fp32(triton_cpu: None) -> None:
     *args, topk_weights = make_inputs(7, 8, 2, dtype=torch.bfloat16)
     out = fused_moe(*args, topk_weights.float())
-    torch.testing.assert_close(
-        out.float(), fused_moe_ref(*args, topk_weights.float()).float(), rtol=2e-2, atol=2e-2
-    )
+    torch.testing.assert_close(out.float(), fused_moe_ref(*args, topk_weights.float()).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_triton_deterministic_and_empty(triton_cpu: None) -> None:
@@ -225,9 +223,7 @@ def test_bad_input(triton_cpu: None) -> None:
     with pytest.raises(ValueError, match="hidden must be contiguous"):
         fused_moe(hidden.t().contiguous().t(), w_gate_up, w_down, expert_ids, topk_weights)
     with pytest.raises(ValueError, match="w_down must be contiguous"):
-        fused_moe(
-            hidden, w_gate_up, w_down.transpose(1, 2).contiguous().transpose(1, 2), expert_ids, topk_weights
-        )
+        fused_moe(hidden, w_gate_up, w_down.transpose(1, 2).contiguous().transpose(1, 2), expert_ids, topk_weights)
     with pytest.raises(ValueError, match="supports"):
         fused_moe(*[a.double() if a.is_floating_point() else a for a in make_inputs(4, 8, 2)])
     with pytest.raises(ValueError, match="power of two"):
