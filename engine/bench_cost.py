@@ -5,7 +5,7 @@
     python -m engine.bench cost cost.sizes=[1,2] cost.specs=[olmoe_1b_7b] cost.max_tree=8   # smoke
 
 Three parts (DESIGN §2 "Cost models", §5), all in one JSON (`bench.out`, default bench_cost.json) and
-PNGs next to it:
+PNGs next to it (`engine/cost_plots.py`); parts 1-2 live here, part 3 in `engine/what_if.py`:
 
 1. measured: target forwards over n verified tokens (a random chain or tree of real text after a real
    prompt), per-phase seconds (PhaseTimer), medians over repeats. T_AR, the n = 1 forward, is measured
@@ -30,7 +30,6 @@ Shape letters: n=verified tokens c=context r=top-r L=MoE layers E=experts S=samp
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 import time
@@ -47,19 +46,18 @@ from .cost import (
     CostSample,
     FittedCost,
     RooflineCost,
-    expected_distinct_experts,
     fit_cost_model,
     load_hardware,
-    load_model_spec,
     model_spec_from_hf_config,
     r_squared,
 )
 from .kv_cache import PagedKVCache
 from .model import Model
-from .placement import layout_stats, place_experts
 from .timing import PhaseTimer
+from .what_if import expected_committed as expected_committed  # re-exported (tests)
+from .what_if import print_what_if, what_if
+from .what_if import utility_threshold as utility_threshold  # re-exported (tests)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = ["deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "gpt_oss_120b", "mixtral_8x7b", "olmoe_1b_7b"]
 # the tiny target's shape (conf/zoo.yaml), used with random weights while zoo/tiny-moe is not built
 TINY_MOE_SHAPE = dict(
@@ -92,7 +90,6 @@ ROOFLINE_OF_GROUP = {
     "experts": ("expert_gemm",),
     "other": ("dispatch", "combine", "other"),
 }
-EP_REPORT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
@@ -498,247 +495,6 @@ def fit_report(
     return report, model
 
 
-# ---------------------------------------------------------------------------------------------- what-if
-def expected_committed(n: int, alpha: float) -> float:
-    """E[committed] of a chain of n − 1 drafts with per-depth acceptance α: (1 − α^n)/(1 − α)."""
-    return float(n) if alpha >= 1.0 else (1.0 - alpha**n) / (1.0 - alpha)
-
-
-def utilities(ratio: Sequence[float], alpha: float, draft_cost: float = 0.0) -> list[float]:
-    """U(n) = E[committed | n] / (T(n)/T_AR + draft_cost·(n − 1)) for n = 1..len(ratio); ratio[0] = 1."""
-    return [expected_committed(n, alpha) / (r + draft_cost * (n - 1)) for n, r in enumerate(ratio, start=1)]
-
-
-def utility_threshold(ratio: Sequence[float], alpha: float, draft_cost: float = 0.0) -> int:
-    """Largest n with U(n) > 1 (1 when no speculation pays). ratio[i] = T(i + 1)/T_AR."""
-    ok = [n for n, u in enumerate(utilities(ratio, alpha, draft_cost), start=1) if n > 1 and u > 1.0 + 1e-12]
-    return max(ok) if ok else 1
-
-
-def shared_data_dir(setting: str | None) -> Path:
-    """setting, else $EXPERTSPEC_SHARED_DATA, else ../shared/data; a relative path is taken from the repo."""
-    path = Path(setting or os.environ.get("EXPERTSPEC_SHARED_DATA") or "../shared/data")
-    return path if path.is_absolute() else (REPO_ROOT / path).resolve()
-
-
-def _routings(spec, kind: str, calibration, max_n: int, samples: int, seed: int) -> list[list[torch.Tensor]]:
-    """S routings (each L x [max_n, r]) of a chain; prefixes give every n <= max_n."""
-    from .synthetic_router import SyntheticRouter
-
-    E, r, L = spec.num_experts, spec.top_r, spec.num_moe_layers
-    if kind == "uniform":
-        g = torch.Generator().manual_seed(seed)
-        return [[torch.rand(max_n, E, generator=g).topk(r, -1).indices for _ in range(L)] for _ in range(samples)]
-    return [SyntheticRouter(E, r, L, calibration, seed=seed + s).route_sequence(max_n) for s in range(samples)]
-
-
-def _prices(cost: RooflineCost, routings, max_n: int, context_len: int) -> np.ndarray:
-    """[S, max_n, 2]: (total, expert_gemm) seconds of the chain prefix n = 1..max_n of every routing."""
-    out = np.zeros((len(routings), max_n, 2))
-    for i, rt in enumerate(routings):
-        for n in range(1, max_n + 1):
-            b = cost.forward_cost([e[:n] for e in rt], context_len)
-            out[i, n - 1] = b.total, b.expert_gemm
-    return out
-
-
-def _curve(seconds: np.ndarray, alphas: Sequence[float], draft_cost: float) -> dict:
-    """Mean T(n) over samples (seconds [S, max_n]), T(n)/T_AR, utility thresholds and the best n per α."""
-    mean = seconds.mean(0)  # [max_n]
-    ratio = (mean / mean[0]).tolist()
-    best = {}
-    for a in alphas:
-        u = utilities(ratio, a, draft_cost)
-        best[str(a)] = dict(n=int(np.argmax(u)) + 1, utility=float(max(u)))
-    return dict(
-        seconds=mean.tolist(),
-        t_ar=float(mean[0]),
-        ratio=ratio,
-        threshold={str(a): utility_threshold(ratio, a, draft_cost) for a in alphas},
-        best=best,
-    )
-
-
-def _imbalance(ep: RooflineCost, single: RooflineCost, routings, ep_prices, single_prices, c) -> dict:
-    """Rank imbalance of the EP layout and what it costs, at EP_REPORT_SIZES.
-
-    expert_slowdown = slowest rank's expert time / an even split of the same work (shared experts stay
-    on the token's rank); imbalance_share = the time above the even split / EP T(n).
-    """
-    spec, W = ep.spec, ep.layout[0].world_size
-    sizes = [n for n in EP_REPORT_SIZES if n <= c.max_tree]
-    empty = lambda n: [torch.zeros(n, 0, dtype=torch.long)] * spec.num_moe_layers
-    shared = np.array([single.forward_cost(empty(n), c.context_len).expert_gemm for n in sizes])  # [sizes]
-    i = np.array(sizes) - 1
-    ep_expert, ep_total = ep_prices[:, i, 1], ep_prices[:, i, 0]  # [S, sizes]
-    even = shared + (single_prices[: len(routings), i, 1] - shared) / W
-    stats = [[layout_stats([e[:n] for e in rt], ep.layout) for rt in routings] for n in sizes]
-    return dict(
-        tokens=sizes,
-        mean=[float(np.mean([s.imbalance_mean for s in row])) for row in stats],
-        max=[float(np.mean([s.imbalance_max for s in row])) for row in stats],
-        expert_slowdown=(ep_expert / even).mean(0).tolist(),
-        imbalance_share=((ep_expert - even) / ep_total).mean(0).tolist(),
-    )
-
-
-def distinct_curve(routings, num_experts: int) -> list[float]:
-    """Mean distinct experts per layer touched by the first t tokens, t = 1..T (routings: S x L x [T, r])."""
-    total = None
-    for rt in routings:
-        ids = torch.stack(rt, 1)  # [T, L, r]
-        seen = torch.zeros(ids.shape[0], ids.shape[1], num_experts, dtype=torch.bool)
-        seen.scatter_(2, ids, True)
-        curve = np.logical_or.accumulate(seen.numpy(), axis=0).sum(2).mean(1)  # [T]
-        total = curve if total is None else total + curve
-    return (total / len(routings)).tolist()
-
-
-def what_if(spec_name: str, c: CostBenchConfig) -> dict:
-    """Tree-size cost curves, utility thresholds and the EP variant of one model spec."""
-    from .synthetic_router import ROUTING_FILE, calibrate
-
-    spec = load_model_spec(spec_name)
-    record = "mixtral" if spec.num_experts <= 22 else "olmoe"  # as synthetic_router.default_calibration
-    data = shared_data_dir(c.shared_data)
-    found = (data / "routing" / ROUTING_FILE).is_file() or (data / ROUTING_FILE).is_file()
-    cal = calibrate(data if found else None, record)
-    routings = {k: _routings(spec, k, cal, c.max_tree, c.samples, c.seed) for k in ("uniform", "calibrated")}
-    out: dict[str, Any] = dict(
-        spec=spec_name,
-        num_experts=spec.num_experts,
-        top_r=spec.top_r,
-        moe_layers=spec.num_moe_layers,
-        calibration=dict(source=cal.source, record=record, data_found=found, data_dir=str(data)),
-        tokens=list(range(1, c.max_tree + 1)),
-        hardware={},
-        distinct=dict(
-            uniform_formula=[
-                expected_distinct_experts(spec.num_experts, spec.top_r, t) for t in range(1, c.max_tree + 1)
-            ],
-            **{k: distinct_curve(v, spec.num_experts) for k, v in routings.items()},
-        ),
-    )
-    for i, hw_name in enumerate(c.hardware):
-        hw = load_hardware(hw_name)
-        layouts = {"single": RooflineCost(hw, spec)}
-        ep_ok = c.ep_world > 1 and (
-            spec.num_experts % c.ep_world == 0 or c.ep_placement not in ("contiguous", "round_robin")
-        )
-        if i == 0 and ep_ok:  # EP variant on the first hardware profile only (it is the slow part)
-            placement = place_experts(spec.num_experts, c.ep_world, c.ep_placement, ranks_per_node=hw.gpus_per_node)
-            layouts[f"ep{c.ep_world}"] = RooflineCost(hw, spec, placement)
-        res: dict[str, dict] = {}
-        single_prices = {}
-        for name, cost in layouts.items():
-            res[name] = {}
-            for kind, rts in routings.items():
-                rts = rts if name == "single" else rts[: max(c.ep_samples, 1)]
-                prices = _prices(cost, rts, c.max_tree, c.context_len)
-                res[name][kind] = _curve(prices[..., 0], c.alphas, c.draft_cost)
-                if name == "single":
-                    single_prices[kind] = prices
-                else:
-                    res[name][kind]["imbalance"] = _imbalance(
-                        cost, layouts["single"], rts, prices, single_prices[kind], c
-                    )
-        out["hardware"][hw_name] = res
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- plots
-def _plot_measured(res: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    rows, fit = res["measured"]["sizes"], res["fit"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ns = [r["tokens"] for r in rows]
-    x = np.arange(len(ns))
-    bottom = np.zeros(len(ns))
-    for g in PHASE_GROUPS:
-        vals = np.array([sum(r["phases"].get(p, 0.0) for p in PHASE_GROUPS[g]) * 1e3 for r in rows])
-        ax1.bar(x, vals, bottom=bottom, label=g)
-        bottom += vals
-    ax1.set_xticks(x, [str(n) for n in ns])
-    ax1.set(xlabel="verified tokens n", ylabel="ms (median)", title="measured phases of one target forward")
-    ax1b = ax1.twinx()
-    ax1b.plot(x, [r["ratio"] for r in rows], "k-o", label="measured T(n)/T(1)")
-    if rows and rows[0].get("fitted_ratio") is not None:
-        ax1b.plot(x, [r["fitted_ratio"] for r in rows], "k--", label="fitted model")
-    ax1b.legend(loc="lower right", fontsize=8)
-    ax1b.set_ylabel("T(n)/T(1)")
-    ax1.legend(loc="upper left", fontsize=8)
-    pts = fit["points"]
-    for held, colour, label in ((False, "tab:blue", "fit samples"), (True, "tab:red", "held out")):
-        sel = [p for p in pts if p["heldout"] == held]
-        ax2.scatter([p["measured"] * 1e3 for p in sel], [p["fitted"] * 1e3 for p in sel], s=10, c=colour, label=label)
-    lim = [0, max(p["measured"] for p in pts) * 1.05e3]
-    ax2.plot(lim, lim, "k:", lw=1)
-    r2 = fit["r2_heldout"] if fit["r2_heldout"] is not None else fit["r2_train"]
-    ax2.set(xlabel="measured ms", ylabel="fitted ms", title=f"fitted cost model (held-out R² = {r2:.3f})")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _plot_what_if(res: dict, c: CostBenchConfig, ratio_path: Path, distinct_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    specs = res["what_if"]
-    cols = min(3, len(specs))
-    rows_ = -(-len(specs) // cols)
-    fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.8 * rows_), squeeze=False)
-    colours = ["tab:blue", "tab:orange", "tab:green", "tab:purple"]
-    for ax, s in zip(axes.flat, specs):
-        ns = s["tokens"]
-        k = 0
-        for hw, layouts in s["hardware"].items():
-            for lay, kinds in layouts.items():
-                colour, k = colours[k % len(colours)], k + 1
-                name = hw.upper() + ("" if lay == "single" else f" {lay.upper()}")
-                ax.plot(ns, kinds["calibrated"]["ratio"], "-", c=colour, label=f"{name} calibrated")
-                ax.plot(ns, kinds["uniform"]["ratio"], "--", c=colour, label=f"{name} uniform")
-        for a in c.alphas:
-            ax.plot(ns, [expected_committed(n, a) for n in ns], ":", c="grey", lw=1)
-            ax.annotate(
-                f"E[committed], α={a}",
-                (ns[-1], expected_committed(ns[-1], a)),
-                fontsize=7,
-                ha="right",
-                va="bottom",
-                color="grey",
-            )
-        ax.set(title=s["spec"], xlabel="verified tokens n (chain)", ylabel="T(n) / T_AR")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    for ax in list(axes.flat)[len(specs) :]:
-        ax.axis("off")
-    fig.suptitle("verification cost vs tree size (roofline; U > 1 where a curve is below the grey E[committed])")
-    fig.tight_layout()
-    fig.savefig(ratio_path, dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.5 * rows_), squeeze=False)
-    for ax, s in zip(axes.flat, specs):
-        ns, d = s["tokens"], s["distinct"]
-        ax.plot(ns, d["uniform_formula"], "k--", label="uniform M·[1−(1−r/M)^t]")
-        ax.plot(ns, d["uniform"], "k:", lw=1, label="uniform (sampled)")
-        ax.plot(ns, d["calibrated"], "-", c="tab:red", label="calibrated synthetic router")
-        ax.set(
-            title=f"{s['spec']} (M={s['num_experts']}, r={s['top_r']})",
-            xlabel="tokens t",
-            ylabel="distinct experts per layer",
-        )
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    for ax in list(axes.flat)[len(specs) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(distinct_path, dpi=110)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------- entry
 def bench_cost(cfg: Any) -> dict:
     """Run the three parts (see the module docstring) and return a JSON-ready dict.
@@ -747,6 +503,8 @@ def bench_cost(cfg: Any) -> dict:
     is a CostBenchConfig (defaults otherwise).
     """
     import matplotlib
+
+    from .cost_plots import plot_measured, plot_what_if  # lazy: it imports this module
 
     c: CostBenchConfig = getattr(cfg, "cost", None) or CostBenchConfig()
     if isinstance(c, dict):
@@ -806,9 +564,9 @@ def bench_cost(cfg: Any) -> dict:
             ratio=folder / f"{stem}_tree_cost.png",
             distinct=folder / f"{stem}_distinct_experts.png",
         )
-        _plot_measured(res, plots["measured"])
+        plot_measured(res, plots["measured"])
         if res["what_if"]:
-            _plot_what_if(res, c, plots["ratio"], plots["distinct"])
+            plot_what_if(res, c, plots["ratio"], plots["distinct"])
         res["plots"] = {k: str(v) for k, v in plots.items() if v.exists()}
     return res
 
@@ -920,56 +678,6 @@ def print_cost(res: dict) -> None:
         print(f"\nprofile: {p['rounds']} engine rounds in {p['steps']} generate calls -> {p['path']}")
         for op in p["top_ops"][:8]:
             print(f"  {op['name'][:40]:<40} {op['calls']:>6} calls {op['self_ms']:>9.2f} ms self")
-    print(
-        "\n== 3. what-if on GPUs (roofline, chain of n verified tokens, context "
-        f"{res['config']['context_len']}, draft cost {res['config']['draft_cost']}·T_AR per draft) =="
-    )
-    alphas = [str(a) for a in res["config"]["alphas"]]
-    mid = alphas[len(alphas) // 2]
-    top = res["config"]["max_tree"]
-    cap = lambda n: f"{n}+" if n >= top else str(n)  # U > 1 up to the largest n tried
-    print("largest n with U > 1 per α (U = E[committed | n]·T_AR/T(n)); best n by U at α = " + mid)
-    print(
-        f"{'spec':<16} {'hw':<5} {'layout':<6} {'routing':<10} {'T_AR µs':>8} {'T8/AR':>6} {f'T{top}/AR':>7} "
-        + " ".join(f"{'α=' + a:>6}" for a in alphas)
-        + f" {'best n (U)':>11}"
-    )
-    for s in res["what_if"]:
-        for hw, layouts in s["hardware"].items():
-            for lay, kinds in layouts.items():
-                for kind, cv in kinds.items():
-                    r, b = cv["ratio"], cv["best"][mid]
-                    print(
-                        f"{s['spec']:<16} {hw:<5} {lay:<6} {kind:<10} {cv['t_ar'] * 1e6:>8.1f} "
-                        f"{r[min(8, len(r)) - 1]:>6.2f} {r[-1]:>7.2f} "
-                        + " ".join(f"{cap(cv['threshold'][a]):>6}" for a in alphas)
-                        + f" {b['n']:>4} ({b['utility']:.2f})"
-                    )
-        cal = s["calibration"]
-        print(
-            f"{'':<16} calibration: {cal['source']}"
-            + ("" if cal["data_found"] else f" (no routing record under {cal['data_dir']}: stored defaults)")
-        )
-    ep_rows = [
-        (s["spec"], hw, lay, kind, cv["imbalance"])
-        for s in res["what_if"]
-        for hw, layouts in s["hardware"].items()
-        for lay, kinds in layouts.items()
-        for kind, cv in kinds.items()
-        if "imbalance" in cv
-    ]
-    if ep_rows:
-        sizes = ep_rows[0][4]["tokens"]
-        print(
-            "\nEP rank imbalance (max/mean assignments per rank, mean over layers) | slowest rank's expert "
-            "time / even split | share of T(n) above the even split"
-        )
-        print(f"{'spec':<16} {'hw':<5} {'layout':<6} {'routing':<10} " + " ".join(f"{f'n={n}':>17}" for n in sizes))
-        for spec, hw, lay, kind, imb in ep_rows:
-            cells = [
-                f"{m:4.2f}|{x:4.2f}|{sh * 100:4.1f}%"
-                for m, x, sh in zip(imb["mean"], imb["expert_slowdown"], imb["imbalance_share"])
-            ]
-            print(f"{spec:<16} {hw:<5} {lay:<6} {kind:<10} " + " ".join(f"{x:>17}" for x in cells))
+    print_what_if(res)
     for k, v in res.get("plots", {}).items():
         print(f"plot {k}: {v}")

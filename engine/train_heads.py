@@ -60,6 +60,7 @@ from .kv_cache import PagedKVCache
 from .model import Model
 from .mtp import MTPDrafter, MTPHead, load_mtp_head
 from .spec import SpecConfig
+from .train_lm import make_optimizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEAD_NAMES = ("eagle-head", "mtp-head", "expert-predictor")
@@ -260,8 +261,6 @@ def _fit(
     progress: bool,
 ) -> dict[str, float]:
     """AdamW loop over seeded index batches; returns the smoothed final losses, steps and seconds."""
-    from .zoo import make_optimizer  # lazy: engine.zoo imports this module
-
     opt, sched = make_optimizer(module, c)
     module.train()
     smooth: dict[str, float] = {}
