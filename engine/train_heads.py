@@ -60,7 +60,7 @@ from .kv_cache import PagedKVCache
 from .model import Model
 from .mtp import MTPDrafter, MTPHead, load_mtp_head
 from .spec import SpecConfig
-from .train_lm import make_optimizer
+from .train_lm import train_loop
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEAD_NAMES = ("eagle-head", "mtp-head", "expert-predictor")
@@ -260,28 +260,11 @@ def _fit(
     desc: str,
     progress: bool,
 ) -> dict[str, float]:
-    """AdamW loop over seeded index batches; returns the smoothed final losses, steps and seconds."""
-    opt, sched = make_optimizer(module, c)
-    module.train()
-    smooth: dict[str, float] = {}
-    start = time.perf_counter()
-    bar = tqdm(_batches(num_rows, c.batch_size, c.steps, seed), total=c.steps, desc=desc, disable=not progress,
-               dynamic_ncols=True, leave=False)  # fmt: skip
-    for step, idx in enumerate(bar):
-        loss, parts = loss_fn(idx)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), c.grad_clip)
-        opt.step()
-        sched.step()
-        for k, v in parts.items():
-            smooth[k] = v if step == 0 else 0.95 * smooth[k] + 0.05 * v
-        if step % 10 == 0 or step == c.steps - 1:
-            bar.set_postfix({k: f"{v:.3f}" for k, v in smooth.items()})
-    module.eval()
+    """`train_lm.train_loop` over seeded index batches; returns the smoothed final losses, steps and seconds."""
+    stats = train_loop(module, c, _batches(num_rows, c.batch_size, c.steps, seed), loss_fn, desc, progress, "rows")
     if isinstance(module, FeatureHead):
         module.drop_inference_cache()
-    return {**{f"final_{k}": v for k, v in smooth.items()}, "steps": c.steps, "seconds": time.perf_counter() - start}
+    return stats
 
 
 def _subset(n: int, fraction: float, gen: torch.Generator) -> torch.Tensor:

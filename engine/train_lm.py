@@ -6,7 +6,7 @@ The pieces `python -m engine.zoo` runs (see `engine/zoo.py` for the whole pipeli
 
 - `train_target`: next-token cross-entropy + router_aux_loss_coef * the load-balancing aux loss;
 - `distill_drafter`: kl_weight * KL(target || drafter) + ce_weight * cross-entropy, target logits on the fly;
-- both through `_train_loop` (AdamW from `make_optimizer`, linear warmup + cosine, grad clipping) over
+- both through `train_loop` (AdamW from `make_optimizer`, linear warmup + cosine, grad clipping) over
   `batches` (a seeded permutation of token windows per epoch), bf16 autocast per `use_bf16_autocast`;
 - `evaluate`: held-out nats/token, perplexity and drafter top-1 agreement per corpus (`heldout_table`
   renders it as markdown); `verify_cost_curve`: the target's T(n)/T(1) (DESIGN §8).
@@ -80,20 +80,23 @@ def make_optimizer(model: Model, c: TrainConf) -> tuple[torch.optim.Optimizer, t
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def _train_loop(
-    model: Model,
+def train_loop(
+    model: torch.nn.Module,
     c: TrainConf,
     data: Iterator[torch.Tensor],
     loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
     desc: str,
     progress: bool,
+    unit: str = "tok",
 ) -> dict[str, float]:
-    """Shared optimiser loop; returns the final smoothed losses, step count and seconds."""
+    """The optimiser loop of every zoo model and head (AdamW, warmup + cosine, grad clipping) over `data`
+    batches (token windows, or row indices for the heads: `unit` names what a batch element is); returns the
+    final smoothed losses, step count and seconds."""
     opt, sched = make_optimizer(model, c)
     model.train()
     smooth: dict[str, float] = {}
     start = time.perf_counter()
-    bar = tqdm(data, total=c.steps, desc=desc, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(data, total=c.steps, desc=desc, disable=not progress, dynamic_ncols=True, leave=unit == "tok")
     for step, batch in enumerate(bar):
         loss, parts = loss_fn(batch)
         opt.zero_grad(set_to_none=True)
@@ -105,7 +108,7 @@ def _train_loop(
             smooth[k] = v if step == 0 else 0.95 * smooth[k] + 0.05 * v
         if step % 10 == 0 or step == c.steps - 1:
             tok_s = (step + 1) * batch.numel() / (time.perf_counter() - start)
-            bar.set_postfix({**{k: f"{v:.3f}" for k, v in smooth.items()}, "tok/s": f"{tok_s:.0f}"})
+            bar.set_postfix({**{k: f"{v:.3f}" for k, v in smooth.items()}, f"{unit}/s": f"{tok_s:.0f}"})
     model.eval()
     return {
         **{f"final_{k}": v for k, v in smooth.items()},
@@ -125,7 +128,7 @@ def train_target(
         ce = F.cross_entropy(target_logits.float().flatten(0, 1), batch[:, 1:].flatten())
         return ce + c.router_aux_loss_coef * aux.float(), {"ce": ce.item(), "aux": aux.item()}
 
-    return _train_loop(model, c.train, batches(windows, c.train.batch_size, c.train.steps, seed), loss_fn,
+    return train_loop(model, c.train, batches(windows, c.train.batch_size, c.train.steps, seed), loss_fn,
                        "target", progress)  # fmt: skip
 
 
@@ -153,7 +156,7 @@ def distill_drafter(
         ce = F.nll_loss(draft_logprobs, labels.flatten())
         return c.kl_weight * kl + c.ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
 
-    return _train_loop(drafter, c.train, batches(windows, c.train.batch_size, c.train.steps, seed), loss_fn,
+    return train_loop(drafter, c.train, batches(windows, c.train.batch_size, c.train.steps, seed), loss_fn,
                        "drafter", progress)  # fmt: skip
 
 
