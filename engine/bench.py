@@ -122,8 +122,11 @@ def bench_decode(cfg: BenchConfig) -> dict:
     return results
 
 
-def _hf_generate(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+def _hf_generate(hf, prompts: list[list[int]], n: int, assistant=None) -> list[list[int]]:
+    """transformers greedy `generate` of exactly n new tokens (assisted generation when `assistant` is given);
+    an explicit all-ones attention mask, or transformers masks every prompt token equal to the pad id."""
     ids = torch.tensor(prompts)
+    kwargs = {} if assistant is None else {"assistant_model": assistant}
     with torch.inference_mode():
         out = hf.generate(
             ids,
@@ -132,6 +135,7 @@ def _hf_generate(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
             min_new_tokens=n,
             do_sample=False,
             pad_token_id=0,
+            **kwargs,
         )
     return out[:, ids.shape[1] :].tolist()
 

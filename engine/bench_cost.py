@@ -57,26 +57,11 @@ from .timing import PhaseTimer
 from .what_if import expected_committed as expected_committed  # re-exported (tests)
 from .what_if import print_what_if, what_if
 from .what_if import utility_threshold as utility_threshold  # re-exported (tests)
+from .zoo import TargetConf, TokenizerConf, target_hf_config
 
 ALL_SPECS = ["deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "gpt_oss_120b", "mixtral_8x7b", "olmoe_1b_7b"]
-# the tiny target's shape (conf/zoo.yaml), used with random weights while zoo/tiny-moe is not built
-TINY_MOE_SHAPE = dict(
-    model_type="qwen2_moe",
-    vocab_size=4096,
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    shared_expert_intermediate_size=512,
-    norm_topk_prob=False,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-)
+# the tiny target's shape (the zoo's default config), used with random weights while zoo/tiny-moe is not built
+TINY_MOE_SHAPE = target_hf_config(TargetConf(), TokenizerConf().vocab_size)
 # measured phases -> roofline phases (the shared expert runs in "combine"; the roofline prices it as experts)
 PHASE_GROUPS = {
     "attention": ("attention",),

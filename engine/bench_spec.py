@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .bench import BenchConfig, _paths, _prompts
+from .bench import BenchConfig, _hf_generate, _paths, _prompts
 
 
 def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
@@ -182,20 +182,10 @@ def _vs_assisted(cfg, target, drafters, target_path, drafter_path, prompts, best
                 t0 = time.perf_counter()
                 outs.append(eng.generate([p], cfg.new_tokens, spec=spec)[0].token_ids)
                 times[key] += time.perf_counter() - t0
-            ids = torch.tensor([p])
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                ref = hf_t.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    assistant_model=hf_d,
-                    do_sample=False,
-                    max_new_tokens=cfg.new_tokens,
-                    min_new_tokens=cfg.new_tokens,
-                    pad_token_id=0,
-                )
+            ref = _hf_generate(hf_t, [p], cfg.new_tokens, assistant=hf_d)[0]
             times["hf"] += time.perf_counter() - t0
-            match &= all(ref[0, len(p) :].tolist() == o for o in outs)
+            match &= all(ref == o for o in outs)
     cfg_name = lambda row: f"{row['drafter']} K={row['K']} W={row['W']}"  # noqa: E731
     return {
         "hf_assisted_s": times["hf"],

@@ -252,15 +252,6 @@ class ModelDrafter:
     def _logits(self, items: list[PackItem]) -> torch.Tensor:
         return self._forward(items)[0]
 
-    def catch_up(self, seq_id: int, tokens: list[int]) -> torch.Tensor:
-        """Feed committed tokens not yet cached; return the logits [V] after the last one."""
-        seq = self.seqs[seq_id]
-        slots = self._slots(seq_id, len(tokens))
-        new = tokens[seq.cached :]
-        logits = self._logits([chain_item(new, slots[: seq.cached], slots[seq.cached : len(tokens)])])
-        seq.cached = len(tokens)
-        return logits[-1]
-
     @torch.inference_mode()
     def draft(
         self,
@@ -370,11 +361,6 @@ class ModelDrafter:
             read_slots=read,
             mask=mask,
         )
-
-    def _expand(self, seq_id, ctx_slots, tok, par, dep, nodes: list[int]) -> dict[int, torch.Tensor]:
-        """Run the drafter on `nodes` (new frontier) -> their logits; ancestors are already cached."""
-        logits = self._logits([self._expand_item(seq_id, ctx_slots, tok, par, dep, nodes)])
-        return {i: logits[j] for j, i in enumerate(nodes)}
 
     def commit(
         self,

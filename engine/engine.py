@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from .sampling import SamplingParams, make_generator, process_logits, sample_fro
 from .spec import NO_SPEC, SpecConfig
 from .stats import GenerationResult, RoundStats
 from .timing import PhaseTimer
-from .verify import verify_tree
+from .verify import VerifyResult, verify_tree
 
 Policy = Callable[[Any], Any]
 GREEDY = SamplingParams()
@@ -377,8 +377,6 @@ class Engine:
 
     def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
         if tree.num_nodes == 1:  # plain decode: the same draw as target-only sampling
-            from .verify import VerifyResult
-
             if r.params.greedy:
                 tok = int(logits[0].argmax())
             else:
@@ -479,8 +477,6 @@ def _virtual_rank_loads(placement, target: Model):
 
 
 def _replace_depth(s: SpecConfig, depth: int) -> SpecConfig:
-    from dataclasses import replace
-
     return replace(s, depth=depth)
 
 
