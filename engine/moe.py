@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -141,26 +142,8 @@ class MoEBlock(nn.Module):
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits)
         with maybe_phase(timer, "experts"):
-            fn = self.expert_fn
-            if (
-                fn is None
-                and x.shape[0] == 1
-                and self.backend != "triton"
-                and not x.is_cuda
-                and not torch.is_grad_enabled()
-            ):
-                out = _single_token_experts(x, self.experts, expert_ids, topk_weights)
-            elif fn is None:
-                out = kernels.fused_moe(
-                    x,
-                    self.experts.gate_up_proj,
-                    self.experts.down_proj,
-                    expert_ids,
-                    topk_weights,
-                    backend=self.backend,
-                )
-            else:
-                out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
+            fn = self.expert_fn or partial(expert_compute, backend=self.backend)
+            out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
         with maybe_phase(timer, "combine"):
             if self.shared_expert is not None and shared_in is not None:
                 Fs = self.shared_expert.gate_proj.weight.shape[0]
@@ -177,12 +160,27 @@ class MoEBlock(nn.Module):
         return out, router_logits
 
 
+def expert_compute(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Local expert compute, the `ExpertFn` a block runs without an `expert_fn` (offload reuses it over its
+    device buffer): x [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r] (-1 = contributes 0)
+    -> [T, D]. One CPU decode token takes `_single_token_experts`; everything else `kernels.fused_moe`."""
+    if x.shape[0] == 1 and backend != "triton" and not x.is_cuda and not torch.is_grad_enabled():
+        return _single_token_experts(x, w_gate_up, w_down, expert_ids, topk_weights)
+    return kernels.fused_moe(x, w_gate_up, w_down, expert_ids, topk_weights, backend=backend)
+
+
 def _single_token_experts(
-    x: torch.Tensor, experts: Experts, expert_ids: torch.Tensor, topk_weights: torch.Tensor
+    x: torch.Tensor, gu: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
     """Decode fast path on CPU (T = 1): the same math as `kernels.fused_moe_ref` without the
     permutation bookkeeping, which dominates at one token. x [1, D] -> [1, D]."""
-    gu, down = experts.gate_up_proj, experts.down_proj
     F_ = down.shape[-1]
     out = None
     for e, w in zip(expert_ids[0].tolist(), topk_weights[0].float().tolist()):

@@ -49,11 +49,9 @@ import torch
 import torch.nn.functional as F_nn
 from torch import nn
 
-import kernels
-
 from .cost import HardwareProfile, load_hardware
 from .model import Model
-from .moe import MoEBlock, _single_token_experts
+from .moe import MoEBlock, expert_compute
 
 POLICIES = ("lru", "lfu")
 MODES = ("copy", "simulate")
@@ -151,14 +149,6 @@ def next_router_predictor(model: Model, top_k: int | None = None) -> Predictor:
     return predict
 
 
-@dataclass
-class _Weights:
-    """Duck-typed `Experts` for `_single_token_experts` over a device buffer."""
-
-    gate_up_proj: torch.Tensor  # [C', 2F, D]
-    down_proj: torch.Tensor  # [C', D, F]
-
-
 def moe_compute(
     block: MoEBlock,
     x: torch.Tensor,
@@ -170,9 +160,7 @@ def moe_compute(
     """The expert compute `MoEBlock.forward` runs without an expert_fn (same dispatch, same kernels):
     x [T, D], w_gate_up [E', 2F, D], w_down [E', D, F], expert_ids [T, r] rows of the weights (-1 = 0)
     -> [T, D]."""
-    if x.shape[0] == 1 and block.backend != "triton" and not x.is_cuda and not torch.is_grad_enabled():
-        return _single_token_experts(x, _Weights(w_gate_up, w_down), expert_ids, topk_weights)
-    return kernels.fused_moe(x, w_gate_up, w_down, expert_ids, topk_weights, backend=block.backend)
+    return expert_compute(x, w_gate_up, w_down, expert_ids, topk_weights, backend=block.backend)
 
 
 class _LayerCache:
