@@ -6,17 +6,19 @@ eng = engine.Engine(target, drafter=engine.load_model(drafter_path))   # or "ngr
 results = eng.generate(prompts, 64, spec=engine.SpecConfig(depth=4, width=2))
 """
 
-from .checkpoint import CheckpointError, load_model, save_model
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig, ModelConfigError
-from .draft_tree import DraftTree
-from .drafters import ModelDrafter, NGramDrafter
-from .eagle import EagleDrafter, load_feature_drafter
-from .engine import Engine
-from .model import Model
-from .sampling import SamplingParams
-from .spec import SpecConfig
-from .stats import GenerationResult, RoundStats
-from .verify import VerifyResult
+from engine.drafting.feature_drafter import EagleDrafter
+from engine.drafting.make import load_feature_drafter
+from engine.drafting.model_drafter import ModelDrafter
+from engine.drafting.ngram import NGramDrafter
+from engine.models.checkpoint import CheckpointError, load_model, save_model
+from engine.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, ModelConfigError
+from engine.models.transformer import Model
+from engine.runtime.engine import Engine
+from engine.runtime.stats import GenerationResult, RoundStats
+from engine.spec.config import SpecConfig
+from engine.spec.draft_tree import DraftTree
+from engine.spec.sampling import SamplingParams
+from engine.spec.verify import VerifyResult
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

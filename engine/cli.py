@@ -17,5 +17,7 @@ def quiet_hydra_argv(modes: tuple[str, ...] = ()) -> None:
     quiet Hydra defaults are appended when the user set no run directory."""
     if modes and len(sys.argv) > 1 and sys.argv[1] in modes:
         sys.argv[1] = f"mode={sys.argv[1]}"
+    elif modes and len(sys.argv) > 1 and not sys.argv[1].startswith(("-", "+", "~")) and "=" not in sys.argv[1]:
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}; choose from {', '.join(modes)}")
     if not any(a.startswith("hydra.run.dir") for a in sys.argv):
         sys.argv += list(QUIET_HYDRA)

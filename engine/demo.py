@@ -58,9 +58,8 @@ def main(cfg: DemoConfig) -> None:
     cfg = OmegaConf.to_object(cfg)
     torch.set_num_threads(cfg.threads)
     import engine
-
-    from .workloads import Prompt, code_prompts, encode, prose_prompts
-    from .zoo import zoo_path
+    from engine.workloads import Prompt, code_prompts, encode, prose_prompts
+    from engine.zoo.build import zoo_path
 
     target = engine.load_model(cfg.target or zoo_path("tiny-moe"))
     drafter = engine.load_model(cfg.drafter or zoo_path("tiny-dense"))
@@ -117,7 +116,7 @@ def main(cfg: DemoConfig) -> None:
 
 
 if __name__ == "__main__":
-    from .cli import quiet_hydra_argv
+    from engine.cli import quiet_hydra_argv
 
     quiet_hydra_argv()
     main()

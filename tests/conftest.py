@@ -35,7 +35,7 @@ def tiny_dense_dir(tmp_path_factory) -> Path:
     """A random llama drafter with the same vocabulary as tiny_moe_dir."""
     from hf_configs import tiny_config
 
-    from engine.checkpoint import build_model, save_model
+    from engine.models.checkpoint import build_model, save_model
 
     path = tmp_path_factory.mktemp("tiny_dense")
     save_model(build_model(tiny_config("llama"), seed=7), path)
@@ -49,7 +49,7 @@ def fake_zoo(tmp_path_factory) -> Path:
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from engine.checkpoint import build_model, save_model
+    from engine.models.checkpoint import build_model, save_model
 
     root = tmp_path_factory.mktemp("zoo")
     tok = Tokenizer(models.BPE())

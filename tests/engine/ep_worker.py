@@ -24,9 +24,9 @@ import torch.distributed as dist
 from hf_configs import tiny_config  # this file's folder is sys.path[0] when run as a script
 
 import engine
-from engine.checkpoint import build_model, init_weights
-from engine.ep import EPGroup, ExpertParallel, shard_model
-from engine.placement import ExpertPlacement, place_experts
+from engine.models.checkpoint import build_model, init_weights
+from engine.parallel.ep import EPGroup, ExpertParallel, shard_model
+from engine.parallel.placement import ExpertPlacement, place_experts
 from kernels import fused_moe_ref
 
 NUM_EXPERTS = 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from hf_configs import tiny_config
 
-from engine.checkpoint import build_model
-from engine.draft_tree import DraftTree
-from engine.model import ForwardOutput, Model
+from engine.models.checkpoint import build_model
+from engine.models.transformer import ForwardOutput, Model
+from engine.spec.draft_tree import DraftTree
 
 
 class ScriptedTarget(Model):
@@ -33,6 +33,14 @@ class ScriptedDrafter:
 
     def __init__(self, script: list[int], miss_depth: int | None, vocab: int = 97, tree: bool = False) -> None:
         self.script, self.miss_depth, self.vocab, self.tree = script, miss_depth, vocab, tree
+
+    predicts_experts = False
+
+    def prepare(self, lengths):
+        pass
+
+    def draft_many(self, requests):
+        return [self.draft(*req) for req in requests]
 
     def start(self, seq_id, tokens, target_hidden=None):
         pass

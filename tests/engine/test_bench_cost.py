@@ -13,22 +13,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.bench_cost import (
+from engine.bench.configs import CostBenchConfig
+from engine.bench.cost import (
     TINY_MOE_SHAPE,
-    CostBenchConfig,
     ForwardRunner,
     bench_cost,
     expected_committed,
-    fit_two_regimes,
     measure_samples,
     print_cost,
     random_draft,
     utility_threshold,
     what_if,
 )
-from engine.checkpoint import build_model
-from engine.cost import CostSample, fit_cost_model
-from engine.profiling import chrome_trace
+from engine.cost.fitted import CostSample, fit_cost_model, fit_two_regimes
+from engine.cost.profiling import chrome_trace
+from engine.models.checkpoint import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(
@@ -147,15 +146,12 @@ def test_chrome_trace_names_each_step(tmp_path: Path) -> None:
     )
 
 
-def _cost_mode_registered() -> bool:
-    try:
-        from engine import bench
-    except Exception:
-        return False
-    return "cost" in getattr(bench, "MODES", ()) and "cost" in {f for f in bench.BenchConfig.__dataclass_fields__}
+def test_bench_cost_mode_registered() -> None:
+    from engine.bench.configs import MODES, BenchConfig
+
+    assert "cost" in MODES and "cost" in BenchConfig.__dataclass_fields__
 
 
-@pytest.mark.skipif(not _cost_mode_registered(), reason="mode 'cost' is not registered in engine/bench.py yet")
 def test_bench_cost_entry_point(tiny_moe_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench_cost.json"
     cmd = [

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine
-from engine.checkpoint import CheckpointError
-from engine.config import ModelConfigError
+from engine.models.checkpoint import CheckpointError
+from engine.models.config import ModelConfigError
 
 
 def _copy(src, dst):
@@ -72,7 +72,7 @@ def test_missing_folder_and_config(tmp_path):
 def test_drafter_with_other_vocabulary_is_rejected(tiny_moe_dir, tmp_path):
     from hf_configs import tiny_config
 
-    from engine.checkpoint import build_model
+    from engine.models.checkpoint import build_model
 
     target = engine.load_model(tiny_moe_dir)
     other = build_model(tiny_config("llama", vocab_size=50))

@@ -7,20 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cost import (
+from engine.cost.fitted import CostSample, cost_features, fit_cost_model
+from engine.cost.roofline import (
     CONF_DIR,
-    CostSample,
     HardwareProfile,
     ModelSpec,
     RooflineCost,
-    cost_features,
-    expected_distinct_experts,
-    fit_cost_model,
     load_hardware,
     load_model_spec,
     model_spec_from_hf_config,
 )
-from engine.placement import place_experts
+from engine.cost.utility import expected_distinct_experts
+from engine.parallel.placement import place_experts
 
 HW = HardwareProfile(
     name="toy",

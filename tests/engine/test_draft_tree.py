@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.draft_tree import DraftTree, ancestor_mask, select_by_probability, select_expert_aware
+from engine.drafting.selection import select_by_probability, select_expert_aware
+from engine.spec.draft_tree import DraftTree, ancestor_mask
 
 
 def _tree(parents, probs, experts=None):

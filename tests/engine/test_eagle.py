@@ -7,15 +7,16 @@ import torch
 from hf_configs import tiny_config
 
 import engine
-from engine.batching import chain_item, pack
-from engine.checkpoint import init_weights
-from engine.config import parse_config
-from engine.eagle import EagleDrafter, EagleHead, HeadConfig, load_eagle_head, load_feature_drafter, save_head
-from engine.expert_predictor import ExpertPredictor, ExpertPredictorConfig
-from engine.kv_cache import PagedKVCache
-from engine.model import Model
-from engine.mtp import MTPDrafter, MTPHead, load_mtp_head
-from engine.sampling import SamplingParams
+from engine.drafting.feature_drafter import EagleDrafter, MTPDrafter, MTPHead
+from engine.drafting.make import load_feature_drafter
+from engine.models.batching import chain_item, pack
+from engine.models.checkpoint import init_weights
+from engine.models.config import parse_config
+from engine.models.expert_predictor import ExpertPredictor, ExpertPredictorConfig
+from engine.models.feature_heads import EagleHead, HeadConfig, load_eagle_head, load_mtp_head, save_head
+from engine.models.kv_cache import PagedKVCache
+from engine.models.transformer import Model
+from engine.spec.sampling import SamplingParams
 
 PROMPTS = [[5, 7, 9, 11, 3, 5, 7, 9, 11], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [60]]
 SPECS = [

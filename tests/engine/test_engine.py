@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import engine
-from engine.sampling import SamplingParams
+from engine.spec.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import engine
-from engine.checkpoint import build_model
-from engine.ep import EPGroup, shard_model
-from engine.placement import place_experts
+from engine.models.checkpoint import build_model
+from engine.parallel.ep import EPGroup, shard_model
+from engine.parallel.placement import place_experts
 from kernels import fused_moe_ref
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,11 +123,11 @@ def test_random_token_counts_never_hang(ep_runs, world):
 
 @pytest.mark.dist
 def test_ep_run_torchrun_smoke():
-    """`torchrun -m engine.ep_run` at the smallest budget: 2 ranks, 2 new tokens, parity OK."""
+    """`torchrun -m engine.parallel.run` at the smallest budget: 2 ranks, 2 new tokens, parity OK."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to this python")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "engine.ep_run", "new_tokens=2"]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "engine.parallel.run", "new_tokens=2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity with the single-process engine: OK" in proc.stdout

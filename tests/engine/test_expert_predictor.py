@@ -1,4 +1,4 @@
-"""Expert predictor (top-r sets, recall, tree selection) and the `engine.train_heads` smoke run."""
+"""Expert predictor (top-r sets, recall, tree selection) and the `engine.zoo.train_heads` smoke run."""
 
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ import pytest
 import torch
 
 import engine
-from engine.draft_tree import DraftTree, select_by_probability
-from engine.eagle import EagleDrafter, load_eagle_head
-from engine.expert_predictor import (
+from engine.drafting.feature_drafter import EagleDrafter, MTPDrafter
+from engine.drafting.selection import select_by_probability, select_verified
+from engine.models.expert_predictor import (
     ExpertPredictor,
     ExpertPredictorConfig,
     load_expert_predictor,
     routing_loss,
     save_expert_predictor,
-    select_verified,
     topr_mask,
     topr_recall,
 )
-from engine.mtp import MTPDrafter, load_mtp_head
-from engine.train_heads import HEAD_NAMES, TrainHeadsConf, run, smoke_target
+from engine.models.feature_heads import load_eagle_head, load_mtp_head
+from engine.spec.draft_tree import DraftTree
+from engine.zoo.train_heads import HEAD_NAMES, TrainHeadsConf, run, smoke_target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,9 +100,10 @@ def test_config_composes():
 
 @pytest.fixture(scope="module")
 def smoke_cli(tmp_path_factory):
-    """`python -m engine.train_heads smoke=true` end to end (the entry point's smoke test)."""
+    """`python -m engine.zoo.train_heads smoke=true` end to end (the entry point's smoke test)."""
     run_dir = tmp_path_factory.mktemp("hydra")  # Hydra's own files (.hydra/, the log) go there
-    command = [sys.executable, "-m", "engine.train_heads", "smoke=true", "progress=false", f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "-m", "engine.zoo.train_heads", "smoke=true", "progress=false"]
+    command.append(f"hydra.run.dir={run_dir}")
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out_dir = Path(re.search(r"heads -> (\S+)", proc.stdout).group(1))

@@ -30,7 +30,7 @@ def test_logits_match_transformers(tmp_path, model_type, over):
 
 
 def test_our_saved_folder_loads_in_transformers(tmp_path):
-    from engine.checkpoint import build_model, save_model
+    from engine.models.checkpoint import build_model, save_model
 
     for mt in ("qwen2_moe", "mixtral", "qwen3"):
         model = build_model(tiny_config(mt), seed=3)
@@ -44,8 +44,8 @@ def test_our_saved_folder_loads_in_transformers(tmp_path):
 
 
 def test_routing_is_recorded_per_moe_layer(tiny_moe_dir):
-    from engine.batching import chain_item, pack
-    from engine.kv_cache import PagedKVCache
+    from engine.models.batching import chain_item, pack
+    from engine.models.kv_cache import PagedKVCache
 
     model = engine.load_model(tiny_moe_dir)
     cfg = model.config
@@ -64,12 +64,12 @@ def test_routing_is_recorded_per_moe_layer(tiny_moe_dir):
 
 
 def test_inference_caches_follow_weight_updates():
-    from engine.checkpoint import build_model
+    from engine.models.checkpoint import build_model
 
     model = build_model(tiny_config("qwen2_moe"), seed=1)
     ids = torch.randint(0, 97, (1, 6))
-    from engine.batching import chain_item, pack
-    from engine.kv_cache import PagedKVCache
+    from engine.models.batching import chain_item, pack
+    from engine.models.kv_cache import PagedKVCache
 
     def cached_logits():
         cfg = model.config

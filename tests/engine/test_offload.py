@@ -10,9 +10,9 @@ import torch
 from hf_configs import tiny_config
 
 import engine
-from engine.checkpoint import build_model
-from engine.cost import load_hardware
-from engine.offload import ExpertOffload, OffloadStats, next_router_predictor, transfer_seconds
+from engine.cost.roofline import load_hardware
+from engine.models.checkpoint import build_model
+from engine.offload.cache import ExpertOffload, OffloadStats, next_router_predictor, transfer_seconds
 
 PROMPTS = [[5, 7, 9, 11, 3], [1, 2], [60, 61, 62]]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.placement import ExpertPlacement, layout_stats, place_experts, rank_loads
+from engine.parallel.placement import ExpertPlacement, layout_stats, place_experts, rank_loads
 
 
 @pytest.mark.parametrize("strategy", ["contiguous", "round_robin", "load_balanced", "replicated"])

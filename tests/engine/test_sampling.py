@@ -11,8 +11,8 @@ import pytest
 import scipy.stats
 import torch
 
-import engine.sampling as sampling
-from engine.sampling import SamplingParams, make_generator, process_logits, sample_from_probs
+import engine.spec.sampling as sampling
+from engine.spec.sampling import SamplingParams, make_generator, process_logits, sample_from_probs
 
 # V=vocab
 

@@ -8,9 +8,9 @@ import torch
 from hf_configs import tiny_config
 
 import engine
-from engine.checkpoint import build_model
-from engine.offload import ExpertOffload
-from engine.self_drafter import SelfDrafter, expert_similarity, stand_in_table
+from engine.models.checkpoint import build_model
+from engine.offload.cache import ExpertOffload
+from engine.offload.self_drafter import SelfDrafter, expert_similarity, stand_in_table
 
 PROMPTS = [[5, 7, 9, 11, 3], [1, 2], [60, 61, 62]]
 CHAIN = engine.SpecConfig(depth=4, width=1)
@@ -55,7 +55,7 @@ def test_greedy_identical_to_target_only(target, reference, spec, C, policy):
 def test_full_cache_accepts_almost_everything_small_cache_less(target):
     def rates(out):
         rounds = [r for res in out for r in res.rounds if r.proposed]
-        full = sum(r.accepted == r.depth for r in rounds) / len(rounds)  # whole drafted path accepted
+        full = sum(r.accepted == r.built_depth for r in rounds) / len(rounds)  # whole drafted path accepted
         return full, sum(r.accepted for r in rounds) / sum(r.proposed for r in rounds)
 
     full_out, full_st = _run(target, 6, CHAIN, warm=True)

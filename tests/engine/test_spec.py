@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import engine
-from engine.sampling import SamplingParams
+from engine.spec.sampling import SamplingParams
 
 PROMPTS = [[5, 7, 9, 11, 3, 5, 7, 9, 11], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [60]]
 SPECS = [
@@ -32,9 +32,9 @@ def test_self_drafter_accepts_everything(target, tiny_moe_dir, baseline, spec):
     eng = engine.Engine(target, drafter=engine.load_model(tiny_moe_dir), check_kv=True)
     res = eng.generate(PROMPTS, 24, spec=spec)
     assert [r.token_ids for r in res] == baseline
-    full = [r for x in res for r in x.rounds if r.depth == spec.depth and r.proposed > 0]
+    full = [r for x in res for r in x.rounds if r.built_depth == spec.depth and r.proposed > 0]
     if spec.width == 1:  # a chain of the target's own argmaxes: every round commits K + 1
-        assert all(r.accepted == r.depth and r.bonus for r in full)
+        assert all(r.accepted == r.built_depth == r.depth and r.bonus for r in full)
     else:  # a bounded frontier may prune the argmax path; most rounds still accept a whole path
         assert sum(r.bonus for r in full) >= 0.6 * len(full)
     eng.kv.check_quiescent()
@@ -139,8 +139,8 @@ def test_policy_action_out_of_range_fails_before_any_token(target, tiny_dense_di
 
 
 def test_round_stats_footprint_virtual_ep_and_modelled_cost(target, tiny_dense_dir):
-    from engine.cost import RooflineCost, load_hardware, model_spec_from_hf_config
-    from engine.placement import place_experts
+    from engine.cost.roofline import RooflineCost, load_hardware, model_spec_from_hf_config
+    from engine.parallel.placement import place_experts
 
     cfg = target.config
     placement = place_experts(cfg.num_experts, 2, "contiguous", ranks_per_node=1)
@@ -163,7 +163,7 @@ def test_round_stats_footprint_virtual_ep_and_modelled_cost(target, tiny_dense_d
 
 
 def test_virtual_ep_must_match_the_target(target):
-    from engine.placement import place_experts
+    from engine.parallel.placement import place_experts
 
     with pytest.raises(ValueError, match="experts"):
         engine.Engine(target, virtual_ep=place_experts(8, 2, "contiguous"))
@@ -179,7 +179,7 @@ def test_bf16_target_with_fp32_drafter_on_another_backend(tiny_moe_dir, tiny_den
 
 
 def _dense_predictor(target, drafter, input_kind="dense"):
-    from engine.expert_predictor import ExpertPredictor, ExpertPredictorConfig
+    from engine.models.expert_predictor import ExpertPredictor, ExpertPredictorConfig
 
     cfg = target.config
     torch.manual_seed(0)
@@ -196,7 +196,7 @@ def _dense_predictor(target, drafter, input_kind="dense"):
 
 
 def test_dense_drafter_with_expert_predictor_selects_and_stays_exact(target, tiny_dense_dir, baseline):
-    from engine.drafters import ModelDrafter
+    from engine.drafting.model_drafter import ModelDrafter
 
     drafter_model = engine.load_model(tiny_dense_dir)
     drafter = ModelDrafter(drafter_model, predictor=_dense_predictor(target, drafter_model))
@@ -212,7 +212,7 @@ def test_dense_drafter_with_expert_predictor_selects_and_stays_exact(target, tin
 
 
 def test_dense_drafter_rejects_a_predictor_of_other_features(target, tiny_dense_dir):
-    from engine.drafters import ModelDrafter
+    from engine.drafting.model_drafter import ModelDrafter
 
     drafter_model = engine.load_model(tiny_dense_dir)
     with pytest.raises(ValueError, match="hidden states"):

@@ -14,8 +14,8 @@ from hf_configs import tiny_config
 from scipy import stats
 
 import engine
-from engine.checkpoint import build_model
-from engine.sampling import SamplingParams, process_logits
+from engine.models.checkpoint import build_model
+from engine.spec.sampling import SamplingParams, process_logits
 
 V = 8
 PROMPT = [1, 5, 2]

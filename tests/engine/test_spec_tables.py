@@ -58,7 +58,7 @@ def test_mixed_k_in_one_batch_via_policy():
     depths = {5: 3, 9: 0, 3: 1}
 
     def policy(obs):
-        return (depths[obs["prompt_len"]], 1, 0.0)
+        return (depths[obs.prompt_len], 1, 0.0)
 
     target = ScriptedTarget(SCRIPT)
     eng = engine.Engine(target, drafter=ScriptedDrafter(SCRIPT, None), instrument=False, check_kv=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.synthetic_router import (
+from engine.cost.synthetic_router import (
     DEFAULT_CALIBRATIONS,
     RouterCalibration,
     SyntheticRouter,

@@ -14,9 +14,9 @@ import pytest
 import scipy.stats
 import torch
 
-import engine.sampling as sampling
-from engine.sampling import SamplingParams, make_generator, process_logits, sample_from_probs
-from engine.verify import VerifyResult, verify_tree
+import engine.spec.sampling as sampling
+from engine.spec.sampling import SamplingParams, make_generator, process_logits, sample_from_probs
+from engine.spec.verify import VerifyResult, verify_tree
 
 # S=samples N=tree nodes V=vocab k=children of the root
 
@@ -339,7 +339,7 @@ def test_zero_mass_residual_falls_back_to_target(monkeypatch: pytest.MonkeyPatch
     # u = 1.0 and check the walk stays well defined and commits from p (here: its last non-zero token).
     target_probs, _ = _target_and_draft()
     monkeypatch.setattr(sampling, "draw_uniform", lambda generator: 1.0)
-    monkeypatch.setattr("engine.verify.draw_uniform", lambda generator: 1.0)
+    monkeypatch.setattr("engine.spec.verify.draw_uniform", lambda generator: 1.0)
     rows = target_probs.expand(2, V)
     result = verify_tree(torch.tensor([5, 4]), torch.tensor([-1, 0]), rows, SAMPLE, None, rows)
     assert result.rejection_depth == 1

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import corpus
-from engine.checkpoint import build_model, load_model
-from engine.zoo import TargetConf, TrainConf, ZooConf, batches, target_hf_config, train_target, zoo_path
+from engine.models.checkpoint import build_model, load_model
+from engine.zoo import corpus
+from engine.zoo.build import ZooConf, batches, target_hf_config, train_target, zoo_path
+from engine.zoo.configs import TargetConf, TrainConf
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import pytest
 
 import engine
 from engine.workloads import code_prompts, encode, prose_prompts
-from engine.zoo import zoo_path
+from engine.zoo.build import zoo_path
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, "tests/engine")
     import engine
-    from engine.checkpoint import build_model
+    from engine.models.checkpoint import build_model
     from hf_configs import tiny_config
     target = build_model(tiny_config("qwen2_moe", num_experts=5, num_experts_per_tok=2), seed=3)
     prompts = [[5, 7, 9, 11], [1, 2, 3]]

@@ -1,0 +1,79 @@
+"""Benchmarks (not timed tests). Hydra entry point:
+
+    python -m engine.bench                 # decode: our target-only decoding vs transformers generate
+    python -m engine.bench spec            # speculative sweep K x W, drafters, vs transformers assisted
+    python -m engine.bench spec new_tokens=32 repeats=1      # any config override
+    python -m engine.bench cost            # verification cost: measured phases, fitted model, GPU what-if
+
+Every ratio is measured side by side in one process with runs interleaved (ours, theirs, ours, ...),
+single intra-op thread by default (DESIGN.md §8). Results are printed as tables and written as JSON
+to `bench.out` (default bench_<mode>.json in the working directory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from engine.bench.configs import MODES, BenchConfig
+from engine.bench.decode import bench_decode
+from engine.cli import quiet_hydra_argv
+
+
+def _print_decode(res: dict) -> None:
+    print("\n== target-only decode: expertspec vs transformers generate (greedy, fp32, interleaved) ==")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
+    for k, r in res.items():
+        if k.startswith("batch"):
+            print(
+                f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('hf_tok_s', float('nan')):>9.1f} "
+                f"{r.get('speedup', float('nan')):>6.2f}x"
+            )
+    s = res["step"]
+    print(
+        f"\ndecode step {s['step_seconds'] * 1e3:.2f} ms vs weight-read bound {s['bound_seconds'] * 1e3:.2f} ms "
+        f"({s['weight_bytes'] / 1e6:.1f} MB touched): {s['bound_ratio']:.1f}x the bound"
+    )
+    print(
+        "\nverification cost curve T(n)/T(1): "
+        + "  ".join(f"n={r['tokens']}: {r['seconds'] * 1e3:.2f} ms ({r['ratio']:.2f}x)" for r in res["verify_curve"])
+    )
+    for w in res.get("warnings", []):
+        print("WARNING:", w)
+
+
+ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+
+
+@hydra.main(config_path=None, config_name="bench_schema", version_base=None)
+def main(cfg: BenchConfig) -> None:
+    cfg = OmegaConf.to_object(cfg)
+    if cfg.mode not in MODES:
+        raise SystemExit(f"unknown bench mode {cfg.mode!r}; use one of {MODES}")
+    torch.set_num_threads(cfg.threads)
+    if cfg.mode == "decode":
+        res = bench_decode(cfg)
+        _print_decode(res)
+    elif cfg.mode == "cost":
+        from engine.bench.cost import bench_cost, print_cost
+
+        res = bench_cost(cfg)
+        print_cost(res)
+    else:
+        from engine.bench.spec import bench_spec, print_spec
+
+        res = bench_spec(cfg)
+        print_spec(res)
+    out = Path(hydra.utils.to_absolute_path(cfg.out or f"bench_{cfg.mode}.json"))
+    out.write_text(json.dumps(res, indent=2, default=float))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    quiet_hydra_argv(MODES)
+    main()

@@ -1,0 +1,1 @@
+"""Cost models: roofline, fitted measured model, utility formulas, synthetic router, profiling."""

@@ -1,0 +1,116 @@
+"""The measured cost model: a linear fit of verification seconds to (tokens, active experts, context).
+
+seconds = fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·context, fitted by least
+squares on measured forwards (`python -m engine.bench cost`); `fit_two_regimes` fits the single-token
+decode path and the n >= 2 verification path separately (`DecodeVerifyCost`), since they run different code.
+
+Shape letters: n=verified tokens L=MoE layers r=top-r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class CostSample:
+    """One measured forward: its routing (L x [n, r]), the context length, and wall-clock seconds."""
+
+    routing: Sequence[torch.Tensor]
+    context_len: int
+    seconds: float
+
+
+def cost_features(routing: Sequence[torch.Tensor], context_len: int) -> tuple[float, float, float, float]:
+    """(1, n tokens, Σ_l distinct experts U_l, L·context) — the regressors of FittedCost."""
+    n = float(routing[0].shape[0]) if len(routing) else 0.0
+    active = float(sum(int(torch.unique(e).numel()) for e in routing))
+    return 1.0, n, active, float(len(routing) * context_len)
+
+
+@dataclass(frozen=True)
+class FittedCost:
+    """seconds ≈ fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·context.
+
+    `fitted` names the constants the data could identify; the others were held at 0 (their regressor
+    did not vary over the samples).
+    """
+
+    fixed: float
+    per_token: float
+    per_active_expert: float
+    per_layer_context: float
+    fitted: tuple[str, ...] = ("fixed", "per_token", "per_active_expert", "per_layer_context")
+
+    def predict(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
+        x = cost_features(routing, context_len)
+        return x[0] * self.fixed + x[1] * self.per_token + x[2] * self.per_active_expert + x[3] * self.per_layer_context
+
+    __call__ = predict
+
+
+def r_squared(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Coefficient of determination of `predicted` vs `measured` (1.0 when both are constant and equal)."""
+    y, p = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
+    ss_res, ss_tot = float(((y - p) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
+    if ss_tot == 0.0:
+        return 1.0 if ss_res <= 1e-24 else 0.0
+    return 1.0 - ss_res / ss_tot
+
+
+def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
+    """Least-squares fit of FittedCost to measured samples; returns (model, R² on the samples).
+
+    A regressor that is constant over the samples (say every sample has the same context) cannot be told
+    apart from `fixed`; its constant is held at 0 and left out of `fitted`.
+    """
+    names = ("fixed", "per_token", "per_active_expert", "per_layer_context")
+    if not samples:
+        raise ValueError("fit_cost_model needs at least one sample")
+    X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 4]
+    y = np.array([s.seconds for s in samples])
+    keep = [0] + [j for j in range(1, 4) if np.ptp(X[:, j]) > 0]
+    if len(samples) < len(keep):
+        raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[names[j] for j in keep]}")
+    coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+    values = [0.0] * 4
+    for j, c in zip(keep, coef):
+        values[j] = float(c)
+    model = FittedCost(*values, fitted=tuple(names[j] for j in keep))
+    return model, r_squared(X @ np.array(values), y)
+
+
+CONSTANTS = ("fixed", "per_token", "per_active_expert", "per_layer_context")
+
+
+@dataclass(frozen=True)
+class DecodeVerifyCost:
+    """Two FittedCost regimes: n = 1 (the engine's single-token decode path: no mask, a per-token expert
+    loop) and n >= 2 (tree verification). Callable like FittedCost: (routing L x [n, r], context) -> s."""
+
+    decode: FittedCost
+    verify: FittedCost
+
+    def __call__(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
+        n = int(routing[0].shape[0]) if len(routing) else 0
+        return (self.decode if n <= 1 else self.verify)(routing, context_len)
+
+
+def fit_two_regimes(samples: Sequence[CostSample]) -> DecodeVerifyCost:
+    """fit_cost_model on the n >= 2 samples and on the n = 1 samples (the verify fit where they are too
+    few to identify their constants)."""
+    n_of = lambda s: int(s.routing[0].shape[0]) if len(s.routing) else 0
+    verify, _ = fit_cost_model([s for s in samples if n_of(s) > 1])
+    try:
+        decode, _ = fit_cost_model([s for s in samples if n_of(s) <= 1])
+    except ValueError:
+        decode = verify
+    return DecodeVerifyCost(decode, verify)
+
+
+def _constants(m: FittedCost) -> dict[str, float]:
+    return {k: getattr(m, k) for k in CONSTANTS}

@@ -1,0 +1,412 @@
+"""Cost models of one target forward: a roofline from hardware + model spec, and a least-squares fit.
+
+    from engine.cost.roofline import RooflineCost, load_hardware, load_model_spec
+    roofline = RooflineCost(load_hardware("h100"), load_model_spec("qwen3_30b_a3b"))
+    breakdown = roofline.forward_cost(routing, context_len=512)    # routing: L x LongTensor [n, r]
+    t_ar = roofline.decode_cost(context_len=512).total              # T_AR: one target-only token
+
+Roofline (Williams, Waterman & Patterson, CACM 2009; DESIGN §2 "Cost models"): every phase costs
+max(bytes / HBM bandwidth, flops / peak), so a decode-sized forward is priced by the weights it reads.
+Per transformer layer:
+
+    attention  = max((attention weights + KV of context + new tokens) / HBM, projection + score flops / peak)
+    router     = max(router weights / HBM, 2 n D E / peak)
+    expert     = sum over ACTIVE experts e of max(3 D F bytes / HBM, 6 D F t_e / peak)   (+ shared experts)
+    dispatch   = combine = remote (token, rank) pairs x D x activation bytes / link bandwidth + link latency
+    layer time = attention + router + slowest EP rank's expert time + dispatch + combine + launches
+
+Dispatch counts each token once per remote rank it needs (as DeepEP-style all-to-alls do) and prices
+the busiest rank's send or receive. Hardware profiles live in conf/hardware/*.yaml, model specs in
+conf/model_spec/*.yaml; both are plain data. `fit_cost_model` fits four interpretable constants to
+measured (routing, seconds) samples instead.
+"""
+
+# n=verified tokens r=top-r L=MoE layers E=experts D=hidden F=expert dim W=EP ranks
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from engine.cost.utility import expected_distinct_experts
+from engine.parallel.placement import ExpertPlacement, assign_ranks
+from engine.paths import CONF_DIR
+
+LAUNCHES_PER_LAYER = 12  # norms, qkv, rope, attention, o-proj, router, top-r, permute, 2 GEMMs, combine, add
+LAUNCHES_PER_FORWARD = 4  # embedding, final norm, lm_head, sampling
+PHASES = ("attention", "router", "expert_gemm", "dispatch", "combine", "other")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator. Bandwidths in bytes/s per direction, latencies and overheads in seconds.
+
+    `nvlink_bandwidth` / `nvlink_latency` are None where the GPUs have no NVLink; intra-node traffic then
+    goes over PCIe.
+    """
+
+    name: str
+    hbm_bandwidth: float
+    peak_flops_bf16: float
+    peak_flops_fp8: float
+    nvlink_bandwidth: float | None
+    nvlink_latency: float | None
+    internode_bandwidth: float
+    internode_latency: float
+    pcie_bandwidth: float
+    pcie_latency: float
+    launch_overhead: float
+    gpus_per_node: int = 8
+    notes: str = ""
+
+    def intra_node_link(self) -> tuple[float, float]:
+        """(bandwidth, latency) between two GPUs of one node."""
+        if self.nvlink_bandwidth:
+            return self.nvlink_bandwidth, self.nvlink_latency or 0.0
+        return self.pcie_bandwidth, self.pcie_latency
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of an MoE target, enough to price a forward. Dense layers come first (DeepSeek-V3: 3).
+
+    `kv_bytes_per_token` (per layer) and `attention_params` (per layer) default to standard GQA values;
+    set them for MLA. `compute_dtype` picks the peak (bf16 or fp8).
+    """
+
+    name: str
+    num_layers: int
+    num_dense_layers: int
+    hidden_size: int
+    expert_dim: int
+    num_experts: int
+    top_r: int
+    num_shared_experts: int
+    shared_expert_dim: int
+    dense_ffn_dim: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    expert_weight_bytes: float
+    dense_weight_bytes: float
+    activation_bytes: float = 2.0
+    compute_dtype: str = "bf16"
+    kv_bytes_per_token: float | None = None
+    attention_params: int | None = None
+    weight_format: str = "bf16"
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"compute_dtype must be 'bf16' or 'fp8', got {self.compute_dtype!r}")
+        if not 0 <= self.num_dense_layers <= self.num_layers or not 0 < self.top_r <= self.num_experts:
+            raise ValueError(f"{self.name}: need 0 <= num_dense_layers <= num_layers and 0 < top_r <= num_experts")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one routed expert: gate, up and down projections."""
+        return 3 * self.hidden_size * self.expert_dim * self.expert_weight_bytes
+
+    @property
+    def kv_bytes(self) -> float:
+        """KV-cache bytes per token per layer."""
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token
+        return 2 * self.num_kv_heads * self.head_dim * self.activation_bytes
+
+    @property
+    def attn_params(self) -> int:
+        """Attention projection parameters per layer (q, k, v, o)."""
+        if self.attention_params is not None:
+            return self.attention_params
+        q_o = 2 * self.hidden_size * self.num_attention_heads * self.head_dim
+        return q_o + 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+
+
+def _load_yaml_dataclass(cls: type, group: str, name_or_path: str | Path) -> Any:
+    """Read conf/<group>/<name>.yaml (or a path) into `cls`, naming missing / unknown / bad fields."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml") and not path.exists():
+        path = CONF_DIR / group / f"{name_or_path}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        raise ValueError(f"unknown {group} {str(name_or_path)!r}; available: {', '.join(available)}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    raw.setdefault("name", path.stem)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in raw]
+    unknown = [k for k in raw if k not in fields]
+    if missing or unknown:
+        problems = [
+            f"{kind} field(s) {', '.join(names)}"
+            for kind, names in (("missing", missing), ("unknown", unknown))
+            if names
+        ]
+        raise ValueError(f"{path}: {'; '.join(problems)} for {cls.__name__}")
+    values = {}
+    for key, value in raw.items():
+        kind = fields[key].type.__name__ if isinstance(fields[key].type, type) else str(fields[key].type)
+        try:
+            if value is None or kind == "str":
+                values[key] = value
+            elif kind.startswith("int"):
+                values[key] = int(value)
+            else:  # floats: YAML 1.1 reads "3.35e12" as a string, so convert explicitly
+                values[key] = float(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: field {key!r} = {value!r} is not a number") from err
+        if value is None and "None" not in kind:
+            raise ValueError(f"{path}: field {key!r} must not be null")
+    return cls(**values)
+
+
+def load_hardware(name_or_path: str | Path) -> HardwareProfile:
+    """A profile from conf/hardware/<name>.yaml or a YAML path; ValueError names missing fields."""
+    return _load_yaml_dataclass(HardwareProfile, "hardware", name_or_path)
+
+
+def load_model_spec(name_or_path: str | Path) -> ModelSpec:
+    """A spec from conf/model_spec/<name>.yaml or a YAML path; ValueError names missing fields."""
+    return _load_yaml_dataclass(ModelSpec, "model_spec", name_or_path)
+
+
+def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "hf", weight_bytes: float = 2.0) -> ModelSpec:
+    """ModelSpec of a Hugging Face MoE `config.json` (qwen2_moe, qwen3_moe, mixtral, olmoe)."""
+    heads = config["num_attention_heads"]
+    shared_dim = int(config.get("shared_expert_intermediate_size") or 0)
+    return ModelSpec(
+        name=name,
+        num_layers=config["num_hidden_layers"],
+        num_dense_layers=len(config.get("mlp_only_layers") or []),
+        hidden_size=config["hidden_size"],
+        expert_dim=config.get("moe_intermediate_size") or config["intermediate_size"],
+        num_experts=config.get("num_experts") or config["num_local_experts"],
+        top_r=config["num_experts_per_tok"],
+        num_shared_experts=1 if shared_dim else 0,
+        shared_expert_dim=shared_dim,
+        dense_ffn_dim=config.get("intermediate_size", 0),
+        num_attention_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        vocab_size=config["vocab_size"],
+        expert_weight_bytes=weight_bytes,
+        dense_weight_bytes=weight_bytes,
+        activation_bytes=weight_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Seconds per phase of one target forward; `per_layer` holds each transformer layer's total."""
+
+    attention: float = 0.0
+    router: float = 0.0
+    expert_gemm: float = 0.0
+    dispatch: float = 0.0
+    combine: float = 0.0
+    other: float = 0.0  # dense-layer FFNs, lm_head, kernel launches
+    per_layer: tuple[float, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.router + self.expert_gemm + self.dispatch + self.combine + self.other
+
+    def as_dict(self) -> dict[str, float]:
+        return {**{p: getattr(self, p) for p in PHASES}, "total": self.total}
+
+
+
+
+class RooflineCost:
+    """Prices a target forward from its routing on one hardware profile, optionally under an EP layout.
+
+    `layout` is one ExpertPlacement for every MoE layer or a sequence with one per MoE layer. Tokens live
+    on `token_rank` (default: all on rank 0, one request); attention is priced on that rank and is not
+    split by EP. Calling the object returns total seconds (the engine's `cost_model` callable).
+    """
+
+    def __init__(
+        self,
+        hw: HardwareProfile,
+        spec: ModelSpec,
+        layout: ExpertPlacement | Sequence[ExpertPlacement] | None = None,
+    ) -> None:
+        self.hw, self.spec = hw, spec
+        self.peak = hw.peak_flops_fp8 if spec.compute_dtype == "fp8" else hw.peak_flops_bf16
+        if isinstance(layout, ExpertPlacement):
+            layout = [layout] * spec.num_moe_layers
+        if layout is not None:
+            layout = list(layout)
+            if len(layout) != spec.num_moe_layers:
+                raise ValueError(f"layout has {len(layout)} placements for {spec.num_moe_layers} MoE layers")
+            for p in layout:
+                if p.num_experts != spec.num_experts:
+                    raise ValueError(f"placement has {p.num_experts} experts, spec {spec.num_experts}")
+        self.layout: list[ExpertPlacement] | None = layout
+
+    def __call__(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
+        return self.forward_cost(routing, context_len).total
+
+    # ------------------------------------------------------------------ primitives
+    def _roof(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / self.hw.hbm_bandwidth, flops / self.peak)
+
+    def _experts_time(self, tokens_per_expert: torch.Tensor, count: float = 1.0) -> float:
+        """Σ over active experts of max(weight bytes / HBM, flops / peak); zero-token experts are free."""
+        t = tokens_per_expert[tokens_per_expert > 0].double()
+        flops = 6.0 * self.spec.hidden_size * self.spec.expert_dim * t
+        mem = torch.full_like(t, self.spec.expert_bytes / self.hw.hbm_bandwidth)
+        return count * float(torch.maximum(mem, flops / self.peak).sum())
+
+    def _shared_time(self, n: float) -> float:
+        s = self.spec
+        if n <= 0 or s.num_shared_experts == 0:
+            return 0.0
+        params = 3 * s.hidden_size * s.shared_expert_dim * s.num_shared_experts
+        return self._roof(params * s.dense_weight_bytes, 2.0 * n * params)
+
+    def _attention_time(self, n: int, context_len: int) -> float:
+        s = self.spec
+        nbytes = s.attn_params * s.dense_weight_bytes + (context_len + n) * s.kv_bytes
+        flops = 2.0 * n * s.attn_params + 4.0 * s.num_attention_heads * s.head_dim * n * (context_len + n)
+        return self._roof(nbytes, flops)
+
+    def _router_time(self, n: int) -> float:
+        s = self.spec
+        return self._roof(s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts)
+
+    def _dispatch_time(self, token_rank: torch.Tensor, serving: torch.Tensor, placement: ExpertPlacement) -> float:
+        """One all-to-all: each token goes once to every remote rank serving one of its experts."""
+        W, rpn = placement.world_size, placement.ranks_per_node
+        src = token_rank[:, None].expand_as(serving)  # [n, r]
+        token = torch.arange(len(serving))[:, None].expand_as(serving)  # [n, r]
+        rows = torch.stack([token, src, serving], -1).reshape(-1, 3)  # (token, src rank, dst rank)
+        pairs = torch.unique(rows, dim=0)  # a token is sent once to each rank, however many experts it uses
+        pairs = pairs[pairs[:, 1] != pairs[:, 2]]
+        if len(pairs) == 0:
+            return 0.0
+        msg = self.spec.hidden_size * self.spec.activation_bytes
+        inter = (pairs[:, 1] // rpn) != (pairs[:, 2] // rpn)
+        intra_bw, intra_lat = self.hw.intra_node_link()
+        worst = 0.0
+        for cls_mask, bw in ((~inter, intra_bw), (inter, self.hw.internode_bandwidth)):
+            sel = pairs[cls_mask]
+            if len(sel):
+                out_b = torch.bincount(sel[:, 1], minlength=W).max().item() * msg
+                in_b = torch.bincount(sel[:, 2], minlength=W).max().item() * msg
+                worst = max(worst, max(out_b, in_b) / bw)
+        latency = self.hw.internode_latency if bool(inter.any()) else intra_lat
+        return worst + latency
+
+    # ------------------------------------------------------------------ public
+    def forward_cost(
+        self, routing: Sequence[torch.Tensor], context_len: int, token_rank: torch.Tensor | None = None
+    ) -> CostBreakdown:
+        """Cost of one forward over n verified tokens. routing: one LongTensor [n, r] per MoE layer."""
+        s = self.spec
+        if len(routing) != s.num_moe_layers:
+            raise ValueError(f"routing has {len(routing)} layers, spec {s.name} has {s.num_moe_layers} MoE layers")
+        n = int(routing[0].shape[0]) if len(routing) else 0
+        if token_rank is None:
+            token_rank = torch.zeros(n, dtype=torch.long)
+        parts = dict.fromkeys(PHASES, 0.0)
+        per_layer = []
+        launch = LAUNCHES_PER_LAYER * self.hw.launch_overhead
+        attn = self._attention_time(n, context_len)
+        dense_ffn = self._roof(
+            3 * s.hidden_size * s.dense_ffn_dim * s.dense_weight_bytes,
+            6.0 * n * s.hidden_size * s.dense_ffn_dim,
+        )
+        for _ in range(s.num_dense_layers):
+            parts["attention"] += attn
+            parts["other"] += dense_ffn + launch
+            per_layer.append(attn + dense_ffn + launch)
+        for layer, expert_ids in enumerate(routing):
+            if expert_ids.shape[0] != n:
+                raise ValueError(f"MoE layer {layer} routes {expert_ids.shape[0]} tokens, layer 0 routes {n}")
+            if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= s.num_experts):
+                raise ValueError(f"MoE layer {layer} has expert ids outside [0, {s.num_experts})")
+            router = self._router_time(n)
+            ids = expert_ids.reshape(-1).long()
+            if self.layout is None:
+                counts = torch.bincount(ids, minlength=s.num_experts)  # [E] tokens per expert
+                expert = self._experts_time(counts) + self._shared_time(n)
+                dispatch = 0.0
+            else:
+                placement = self.layout[layer]
+                serving = assign_ranks(expert_ids, placement, token_rank).reshape(-1)  # [n*r]
+                tokens_on = torch.bincount(token_rank, minlength=placement.world_size)
+                expert = max(
+                    self._experts_time(torch.bincount(ids[serving == w], minlength=s.num_experts))
+                    + self._shared_time(float(tokens_on[w]))
+                    for w in range(placement.world_size)
+                )
+                dispatch = self._dispatch_time(token_rank, serving.reshape(expert_ids.shape), placement)
+            parts["attention"] += attn
+            parts["router"] += router
+            parts["expert_gemm"] += expert
+            parts["dispatch"] += dispatch
+            parts["combine"] += dispatch  # the reverse all-to-all moves the same bytes
+            parts["other"] += launch
+            per_layer.append(attn + router + expert + 2 * dispatch + launch)
+        lm_head = self._roof(
+            s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size
+        )
+        parts["other"] += lm_head + LAUNCHES_PER_FORWARD * self.hw.launch_overhead
+        return CostBreakdown(**parts, per_layer=tuple(per_layer))
+
+    def decode_cost(self, context_len: int, routing: Sequence[torch.Tensor] | None = None) -> CostBreakdown:
+        """T_AR: one target-only token. Without routing, the expectation under uniform routing."""
+        if routing is None:
+            return self.expected_cost(1, context_len)
+        return self.forward_cost(routing, context_len)
+
+    def expected_cost(self, num_tokens: int, context_len: int, num_samples: int = 16, seed: int = 0) -> CostBreakdown:
+        """Cost of n tokens under uniform independent routing.
+
+        Without EP: closed form, U = M·[1 − (1 − r/M)^n] active experts holding n·r/U tokens each.
+        With EP: mean over `num_samples` uniform routings drawn from a fixed seed (rank maxima have no
+        simple closed form).
+        """
+        s = self.spec
+        if self.layout is not None:
+            gen = torch.Generator().manual_seed(seed)
+            costs = []
+            for _ in range(num_samples):
+                routing = [
+                    torch.rand(num_tokens, s.num_experts, generator=gen).topk(s.top_r, -1).indices
+                    for _ in range(s.num_moe_layers)
+                ]
+                costs.append(self.forward_cost(routing, context_len))
+            mean = {k: sum(getattr(c, k) for c in costs) / num_samples for k in PHASES}
+            per_layer = tuple(float(np.mean([c.per_layer[i] for c in costs])) for i in range(s.num_layers))
+            return CostBreakdown(**mean, per_layer=per_layer)
+        base = self.forward_cost([torch.zeros(num_tokens, 0, dtype=torch.long)] * s.num_moe_layers, context_len)
+        active = expected_distinct_experts(s.num_experts, s.top_r, num_tokens)
+        per_expert = torch.tensor([num_tokens * s.top_r / active]) if active > 0 else torch.zeros(1)
+        expert = self._experts_time(per_expert, count=active)  # shared experts are already in `base`
+        per_layer = tuple(t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer))
+        return dataclasses.replace(base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert, per_layer=per_layer)
+
+
+# ---------------------------------------------------------------------- fitted model
+
+
+
+
+
+
+
+

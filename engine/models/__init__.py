@@ -1,0 +1,1 @@
+"""Models: config, checkpoint IO, transformer, MoE block, KV cache, batching, feature heads, expert predictor."""

@@ -1,0 +1,95 @@
+"""Pack several requests' new tokens into one `ForwardBatch` over the paged KV cache.
+
+Each `PackItem` says which tokens to run, where their K/V go, which slots they may read and which
+of those each token sees. Prefill (causal chain), plain decode (one token), tree verification and
+drafter tree expansion are all the same call with different masks.
+
+Shape letters: B=requests n=new tokens of one request S=readable slots N=packed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.transformer import ForwardBatch
+
+
+@dataclass
+class PackItem:
+    tokens: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    write_slots: torch.Tensor  # [n] int64
+    read_slots: torch.Tensor  # [S] int64 (must include write_slots of tokens that see themselves)
+    mask: torch.Tensor | None  # [n, S] bool; None = every token sees all S slots
+
+
+def chain_item(tokens: list[int] | torch.Tensor, ctx_slots: torch.Tensor, write_slots: torch.Tensor) -> PackItem:
+    """A causal chain of new tokens after `ctx_slots` [c] of committed context."""
+    toks = torch.as_tensor(tokens, dtype=torch.long)
+    n, c = toks.shape[0], ctx_slots.shape[0]
+    mask = None
+    if n > 1:
+        mask = torch.ones(n, c + n, dtype=torch.bool)
+        mask[:, c:] = torch.ones(n, n, dtype=torch.bool).tril()
+    return PackItem(toks, torch.arange(c, c + n), write_slots, torch.cat([ctx_slots, write_slots]), mask)
+
+
+def tree_item(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    ctx_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> PackItem:
+    """Tree nodes (node 0 = root at position c) after `ctx_slots` [c]; each node sees its ancestors."""
+    from engine.spec.draft_tree import ancestor_mask
+
+    n, c = tokens.shape[0], ctx_slots.shape[0]
+    mask = None
+    if n > 1:
+        mask = torch.ones(n, c + n, dtype=torch.bool)
+        mask[:, c:] = ancestor_mask(parents)
+    return PackItem(tokens, c + depths, write_slots, torch.cat([ctx_slots, write_slots]), mask)
+
+
+def pack(items: list[PackItem], device: torch.device) -> ForwardBatch:
+    """Pad and pack items into one ForwardBatch (mask None when B = 1 and every token sees all)."""
+    B = len(items)
+    lens = [it.tokens.shape[0] for it in items]
+    N = sum(lens)
+    Tq = max(lens)
+    S = max(it.read_slots.shape[0] for it in items)
+    if B == 1 and items[0].mask is None:
+        it = items[0]
+        return ForwardBatch(
+            input_ids=it.tokens.to(device),
+            positions=it.positions.to(device),
+            pad_index=torch.arange(N, device=device).unsqueeze(0),
+            write_slots=it.write_slots.to(device),
+            read_slots=it.read_slots.to(device).unsqueeze(0),
+            attn_mask=None,
+        )
+    read_slots = torch.zeros(B, S, dtype=torch.long)
+    pad_index = torch.full((B, Tq), N, dtype=torch.long)
+    attn = torch.zeros(B, Tq, S, dtype=torch.bool)
+    off = 0
+    for b, (it, n) in enumerate(zip(items, lens)):
+        s = it.read_slots.shape[0]
+        read_slots[b, :s] = it.read_slots
+        pad_index[b, :n] = torch.arange(off, off + n)
+        if it.mask is None:
+            attn[b, :n, :s] = True
+        else:
+            attn[b, :n, :s] = it.mask
+        attn[b, n:, 0] = True  # padded queries attend somewhere; their output is dropped
+        off += n
+    return ForwardBatch(
+        input_ids=torch.cat([it.tokens for it in items]).to(device),
+        positions=torch.cat([it.positions for it in items]).to(device),
+        pad_index=pad_index.to(device),
+        write_slots=torch.cat([it.write_slots for it in items]).to(device),
+        read_slots=read_slots.to(device),
+        attn_mask=attn.to(device),
+    )

@@ -1,0 +1,205 @@
+"""MoE block: router -> softmax -> top-r -> grouped expert GEMM over active experts -> combine.
+
+    x [T, D] --gate--> router_logits [T, E] --softmax(fp32)--> top-r (renormalise iff norm_topk_prob)
+             --kernels.fused_moe--> permute by expert, SiLU-gated GEMM per active expert, weighted unpermute
+             (+ sigmoid(shared_expert_gate(x)) * shared_expert(x) for qwen2_moe)
+
+Shape letters: T=tokens D=hidden E=experts r=top-r F=expert dim.
+Every call can append its routing to a `RoutingRecord` for the instrumentation (footprint, reuse,
+rank loads). An approximate expert budget (MoE-Spec, 2602.16052) keeps only the top-B experts by
+summed router probability over the verified tokens and re-picks each token's top-r inside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.timing import PhaseTimer, maybe_phase
+
+# hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r], topk_weights [T, r] -> [T, D]
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RoutingRecord:
+    """Routing of one forward pass, one entry per MoE layer (in layer order)."""
+
+    layers: list[int] = field(default_factory=list)
+    expert_ids: list[torch.Tensor] = field(default_factory=list)  # each [T, r] int64
+    topk_weights: list[torch.Tensor] = field(default_factory=list)  # each [T, r] float32
+    router_logits: list[torch.Tensor] = field(default_factory=list)  # each [T, E]; only if keep_logits
+    keep_logits: bool = False
+
+
+def fused_weight(owner: nn.Module, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) cached on `owner` for inference matmuls; rebuilt whenever any part changes
+    (storage, in-place version counter, device or dtype), so weight updates are never missed."""
+    key = tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in parts)
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        cached = owner.__dict__[name] = (key, torch.cat(parts).detach())
+    return cached[1]
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or self.gate_proj.bias is not None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # inference: gate and up projections in one matmul
+        h = F.linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]))
+        inter = self.gate_proj.weight.shape[0]
+        return F.linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight)
+
+
+class Experts(nn.Module):
+    """Stacked expert weights, the layout of HF transformers 5 and of `kernels.fused_moe`."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # [E, 2F, D]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # [E, D, F]
+
+
+class MoEBlock(nn.Module):
+    """Sparse MoE layer with optional shared expert (qwen2_moe)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_r: int,
+        moe_inter: int,
+        norm_topk_prob: bool,
+        shared_inter: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_r, self.norm_topk_prob = num_experts, top_r, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, moe_inter)
+        self.shared_expert = DenseMLP(hidden, shared_inter) if shared_inter > 0 else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter > 0 else None
+        self.backend = "auto"  # "auto" | "torch" | "triton"
+        self.expert_fn: ExpertFn | None = None  # set by expert parallelism / offload to replace local compute
+        self.expert_budget: int | None = None  # MoE-Spec approximate mode; None = exact
+
+    def _fused_input(self) -> torch.Tensor:
+        """[E + 2Fs + 1, D]: router, shared gate/up and shared-expert gate rows for one matmul."""
+        parts = [self.gate.weight]
+        if self.shared_expert is not None:
+            se = self.shared_expert
+            parts += [se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight]
+        return fused_weight(self, "_fused", parts)
+
+    def route(
+        self, x: torch.Tensor, router_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> router_logits [T, E], topk_weights [T, r] (x.dtype), expert_ids [T, r] int64."""
+        if router_logits is None:
+            router_logits = self.gate(x)
+        router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        if self.expert_budget is not None and self.expert_budget < self.num_experts:
+            # MoE-Spec: keep the B experts with most router mass over all verified tokens.
+            keep = router_probs.sum(0).topk(self.expert_budget).indices
+            masked = torch.zeros_like(router_probs)
+            masked[:, keep] = router_probs[:, keep]
+            router_probs = masked
+        topk_weights, expert_ids = torch.topk(router_probs, self.top_r, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return router_logits, topk_weights.to(x.dtype), expert_ids
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        record: RoutingRecord | None = None,
+        layer: int = -1,
+        timer: PhaseTimer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (out [T, D], router_logits [T, E])."""
+        shared_in = None
+        with maybe_phase(timer, "router"):
+            if torch.is_grad_enabled():
+                router_logits, topk_weights, expert_ids = self.route(x)
+            else:  # inference: router and shared-expert input projections in one matmul
+                proj = F.linear(x, self._fused_input())
+                E = self.num_experts
+                router_logits, shared_in = proj[:, :E], proj[:, E:]
+                router_logits, topk_weights, expert_ids = self.route(x, router_logits)
+        with maybe_phase(timer, "experts"):
+            fn = self.expert_fn or partial(expert_compute, backend=self.backend)
+            out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
+        with maybe_phase(timer, "combine"):
+            if self.shared_expert is not None and shared_in is not None:
+                Fs = self.shared_expert.gate_proj.weight.shape[0]
+                act = F.silu(shared_in[:, :Fs]) * shared_in[:, Fs : 2 * Fs]
+                out = out + torch.sigmoid(shared_in[:, 2 * Fs :]) * F.linear(act, self.shared_expert.down_proj.weight)
+            elif self.shared_expert is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if record is not None:
+            record.layers.append(layer)
+            record.expert_ids.append(expert_ids.detach())
+            record.topk_weights.append(topk_weights.detach().float())
+            if record.keep_logits:
+                record.router_logits.append(router_logits.detach())
+        return out, router_logits
+
+
+def expert_compute(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Local expert compute, the `ExpertFn` a block runs without an `expert_fn` (offload reuses it over its
+    device buffer): x [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r] (-1 = contributes 0)
+    -> [T, D]. One CPU decode token takes `_single_token_experts`; everything else `kernels.fused_moe`."""
+    if x.shape[0] == 1 and backend != "triton" and not x.is_cuda and not torch.is_grad_enabled():
+        return _single_token_experts(x, w_gate_up, w_down, expert_ids, topk_weights)
+    return kernels.fused_moe(x, w_gate_up, w_down, expert_ids, topk_weights, backend=backend)
+
+
+def _single_token_experts(
+    x: torch.Tensor, gu: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Decode fast path on CPU (T = 1): the same math as `kernels.fused_moe_ref` without the
+    permutation bookkeeping, which dominates at one token. x [1, D] -> [1, D]."""
+    F_ = down.shape[-1]
+    out = None
+    for e, w in zip(expert_ids[0].tolist(), topk_weights[0].float().tolist()):
+        if e < 0:
+            continue
+        h = F.linear(x, gu[e])  # [1, 2F]
+        y = F.linear(F.silu(h[:, :F_]) * h[:, F_:], down[e]) * w
+        out = y if out is None else out + y
+    return x.new_zeros(x.shape) if out is None else out.to(x.dtype)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_r: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss (2101.03961) E * sum_e f_e * P_e, averaged over layers.
+
+    router_logits: one [T, E] per MoE layer. f_e = share of top-r assignments to e, P_e = mean router prob.
+    """
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        top = probs.topk(top_r, dim=-1).indices  # [T, r]
+        frac = F.one_hot(top, num_experts).float().sum(1).mean(0) / top_r  # [E]
+        losses.append(num_experts * (frac * probs.mean(0)).sum())
+    return torch.stack(losses).mean()

@@ -1,0 +1,495 @@
+"""`Engine.generate`: batched target-only and exact speculative decoding over a paged KV cache.
+
+One round per active request per step:
+
+    draft   drafter proposes a tree (K = 0: the root alone)            -> DraftTree
+    verify  one target forward over every request's root + nodes       (tree mask, tree positions)
+    commit  walk the tree (engine.verify), copy the accepted path's K/V from scratch slots to the
+            committed positions, release the scratch, record RoundStats
+
+Cache invariant between rounds: the target cache holds K/V of every committed token except the
+last one (the next round's root). Each request owns a per-request `torch.Generator`; a round with
+no drafts draws exactly what plain decoding draws, and requests in one batch never share randomness.
+
+Shape letters: B=requests N=tree nodes S=key slots V=vocab L=MoE layers E=experts r=top-r.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from engine.drafting.make import make_drafter
+from engine.drafting.protocol import MAX_TREE_NODES, Drafter
+from engine.models.batching import chain_item, pack, tree_item
+from engine.models.kv_cache import PagedKVCache
+from engine.models.transformer import Model
+from engine.runtime.footprint import round_footprint
+from engine.runtime.observation import Observation, observe
+from engine.runtime.policy import Policy
+from engine.runtime.session import Session
+from engine.runtime.stats import GenerationResult, RoundStats
+from engine.spec.config import SpecConfig
+from engine.spec.draft_tree import DraftTree
+from engine.spec.sampling import SamplingParams, process_logits, sample_from_probs
+from engine.spec.verify import VerifyResult, verify_tree
+from engine.timing import PhaseTimer
+
+GREEDY = SamplingParams()
+RoundCost = Callable[[RoundStats], tuple[float, float]]  # RoundStats -> (T_spec, T_AR)
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new: int
+    params: SamplingParams
+    generator: torch.Generator
+    slot_table: torch.Tensor | None = None  # [prompt + max_new] committed slots
+    eos_token_id: int | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + committed
+    new_tokens: list[int] = field(default_factory=list)
+    rounds: list[RoundStats] = field(default_factory=list)
+    finish_reason: str | None = None
+    prev_pairs: torch.Tensor | None = None  # [L, E] bool experts of the previous round
+
+    @property
+    def cached_len(self) -> int:
+        """Positions whose K/V are in the target cache (all committed but the root)."""
+        return len(self.tokens) - 1
+
+
+class Engine:
+    """Exact MoE speculative-decoding engine over an `engine.Model` target.
+
+    drafter: None (target-only), a dense `engine.Model` with the target's vocabulary, "ngram", or any
+    object implementing `engine.drafters.Drafter`.
+    Options: block_size / num_blocks (paged KV; num_blocks None = sized per call), backend ("auto",
+    "torch", "triton") for the target's expert GEMM, instrument (routing footprint per round),
+    timing (per-phase wall clock), cost_model (callable RoutingRecord-like -> modelled seconds),
+    rank_loads (callable L x expert_ids [n, r] -> (imbalance_mean, imbalance_max, cross_node_ratio)) or
+    virtual_ep (an `engine.placement.ExpertPlacement`: per-rank loads of a virtual EP layout every round),
+    ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round),
+    offload (an installed `engine.offload.ExpertOffload`: its `OffloadStats` of every step, prefill
+    included in the first, is attached to the step's RoundStats as `offload`).
+    """
+
+    def __init__(
+        self,
+        target: Model,
+        drafter: Model | str | Drafter | None = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        backend: str = "auto",
+        instrument: bool = True,
+        timing: bool = True,
+        cost_model: Callable[[list[torch.Tensor], int], float] | None = None,
+        rank_loads: Callable[[list[torch.Tensor]], tuple[float, float, float]] | None = None,
+        virtual_ep: Any = None,
+        ep: Any = None,
+        check_kv: bool = False,
+        offload: Any = None,
+        round_cost: RoundCost | None = None,
+        calibration: Callable[[float, int], float] | None = None,
+        **drafter_options: Any,
+    ) -> None:
+        if not isinstance(target, Model):
+            raise TypeError(f"target must be an engine.Model (engine.load_model), got {type(target).__name__}")
+        self.target = target
+        target.set_backend(backend)  # validates; set again before every forward (the model may be shared)
+        self.backend = backend
+        self.drafter: Drafter | None = make_drafter(drafter, target, **drafter_options)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.instrument = instrument
+        self.timing = timing
+        self.cost_model = cost_model
+        if virtual_ep is not None and rank_loads is None:
+            rank_loads = _virtual_rank_loads(virtual_ep, target)
+        self.rank_loads = rank_loads
+        self.kv: PagedKVCache | None = None
+        # Expert parallelism (engine.ep): every rank must run the same sequence of MoE collectives, so
+        # steps are taken in lockstep (`ep.any_active(local) -> global`) and a rank without work runs
+        # `ep.idle_step()` (the collectives of one forward with zero tokens).
+        if ep is not None and check_kv:
+            raise ValueError("check_kv runs extra target forwards per request and is not lockstep under ep")
+        self.ep = ep
+        self.check_kv = check_kv  # debug: after every step prove committed slots hold committed tokens' K/V
+        self.offload = offload
+        self.round_cost = round_cost  # fills RoundStats.cost / cost_ar (None: measured seconds, no T_AR)
+        self.calibration = calibration  # draft confidence -> P(accepted), for the observation
+        self.default_sampling = GREEDY
+        self.scratch_tokens = MAX_TREE_NODES + 1  # a draft tree's root + nodes live in scratch slots
+        self._session: Session | None = None
+
+    # ------------------------------------------------------------------ validation
+    def _validate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | Sequence[SamplingParams],
+        spec: SpecConfig | None,
+        eos_token_id: int | None,
+    ) -> list[SamplingParams]:
+        V = self.target.vocab_size
+        if not isinstance(prompts, (list, tuple)) or (not prompts and self.ep is None):
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        limit = self.target.config.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple)) or len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise ValueError(f"prompt {i} must be a list of ints")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= V:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {V})")
+            if len(p) + max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
+                    f"context length {limit}"
+                )
+        if isinstance(sampling, SamplingParams):
+            params = [sampling] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts) or not all(isinstance(s, SamplingParams) for s in params):
+                raise ValueError(
+                    f"sampling must be one SamplingParams or a list with one per prompt "
+                    f"({len(prompts)}), got {len(params)} items"
+                )
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec must be an engine.SpecConfig or None, got {type(spec).__name__}")
+        if spec is not None and spec.depth > 0 and self.drafter is None:
+            raise ValueError("spec.depth > 0 needs a drafter: Engine(target, drafter=...)")
+        if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < V):
+            raise ValueError(f"eos_token_id must be None or an int in [0, {V}), got {eos_token_id!r}")
+        return params
+
+    def _check_spec(self, s: SpecConfig) -> None:
+        """Errors an action can only have against this engine (SpecConfig validated its own fields)."""
+        if s.depth > 0 and self.drafter is None:
+            raise ValueError("an action with depth K > 0 needs a drafter: Engine(target, drafter=...)")
+        if s.lam > 0 and s.depth > 0 and not getattr(self.drafter, "predicts_experts", False):
+            raise ValueError(
+                f"λ = {s.lam} > 0 needs a drafter with an expert predictor (it prices each node's marginal "
+                "experts): e.g. drafter='zoo/eagle-head' with predictor='zoo/expert-predictor'; this drafter "
+                f"({type(self.drafter).__name__}) has none, so use λ = 0"
+            )
+
+    # ------------------------------------------------------------------ public entry
+    def start(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+        spec: SpecConfig | None = None,
+        policy: Policy | None = None,
+        eos_token_id: int | None = None,
+        reserve_tokens: int = 0,
+    ) -> Session:
+        """Open a steppable session over `prompts` (see engine.runtime.session). `reserve_tokens`: KV room
+        beyond these requests for requests added later with `session.add` (Engine(num_blocks=...) fixes it)."""
+        if self._session is not None and not self._session.closed:
+            raise RuntimeError("this engine already has an open session: close() it before starting another")
+        self._validate(prompts, max_new_tokens, sampling, spec, eos_token_id)
+        if spec is not None:
+            self._check_spec(spec)
+        if policy is not None and not callable(policy):
+            raise TypeError("policy must be a callable obs -> action")
+        if policy is not None and self.drafter is None:
+            raise ValueError("a policy chooses speculation settings and needs a drafter")
+        if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be an int >= 0, got {reserve_tokens!r}")
+        lengths = [len(p) + max_new_tokens for p in prompts]
+        kv = self._make_cache(lengths, reserve_tokens)
+        if self.offload is not None:
+            self.offload.stats.reset()
+        if self.drafter is not None:
+            self.drafter.prepare(lengths + ([reserve_tokens] if reserve_tokens else []))
+        session = Session(self, spec, policy)
+        session.kv = kv
+        self._session = session
+        try:
+            session.add(prompts, max_new_tokens, sampling, eos_token_id)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+        spec: SpecConfig | None = None,
+        policy: Policy | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[GenerationResult]:
+        """Generate up to `max_new_tokens` for each prompt; see the module docstring. The loop over a session."""
+        session = self.start(prompts, max_new_tokens, sampling, spec, policy, eos_token_id)
+        try:
+            while not session.done:
+                session.step()
+            return session.results()
+        finally:
+            session.close()
+
+    # ------------------------------------------------------------------ cache
+    def _make_cache(self, lengths: list[int], reserve_tokens: int = 0) -> PagedKVCache:
+        bs = self.block_size
+        need = sum(-(-n // bs) for n in lengths) + -(-reserve_tokens // bs)
+        scratch = (len(lengths) + (1 if reserve_tokens else 0)) * (-(-self.scratch_tokens // bs) + 1)
+        blocks = self.num_blocks or max(1, need + scratch)
+        if blocks < need + len(lengths):
+            raise ValueError(f"num_blocks={blocks} cannot hold these requests ({need} blocks needed)")
+        cfg = self.target.config
+        kv = self.kv
+        if kv is None or kv.num_blocks < blocks or kv.block_size != bs or kv.k.dtype != self.target.dtype:
+            kv = PagedKVCache(
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                blocks,
+                bs,
+                self.target.dtype,
+                self.target.device,
+            )
+            self.kv = kv
+        kv.check_quiescent()
+        return kv
+
+    def _new_request(self, rid: int, prompt, max_new: int, params: SamplingParams, generator) -> _Request:
+        return _Request(index=rid, prompt=list(prompt), max_new=max_new, params=params, generator=generator,
+                        tokens=list(prompt))  # fmt: skip
+
+    def _admit(self, reqs: list[_Request], kv: PagedKVCache) -> None:
+        """Prefill new requests and start their drafter state."""
+        self.target.set_backend(self.backend)
+        hidden = self._prefill(reqs, kv)
+        if self.drafter is not None:
+            for r in reqs:
+                self.drafter.start(r.index, r.tokens, target_hidden=hidden.get(r.index))
+
+    # ------------------------------------------------------------------ forward helpers
+    def _prefill(self, reqs: list[_Request], kv: PagedKVCache) -> dict[int, torch.Tensor]:
+        """Cache every prompt token but the last (which is the first round's root).
+
+        Returns the target's final hidden states [len(prompt) - 1, D] per request (for feature drafters)."""
+        items, owners = [], []
+        for r in reqs:
+            n = len(r.prompt) - 1
+            if n > 0:
+                slots = r.slot_table[:n].cpu()
+                items.append(chain_item(r.prompt[:-1], slots[:0], slots))
+                owners.append(r)
+        hidden: dict[int, torch.Tensor] = {}
+        if items:
+            out = self.target.forward_batch(pack(items, self.target.device), kv)
+            off = 0
+            for r in owners:
+                n = len(r.prompt) - 1
+                hidden[r.index] = out.hidden[off : off + n]
+                off += n
+        elif self.ep is not None:
+            self.ep.idle_step()
+        return hidden
+
+    def _any_active(self, local: bool) -> bool:
+        return local if self.ep is None else bool(self.ep.any_active(local))
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, active: list[_Request], kv: PagedKVCache, actions: list[SpecConfig]) -> None:
+        """One round for every request in `active` with its validated action (SpecConfig)."""
+        self.target.set_backend(self.backend)
+        timer = PhaseTimer() if self.timing else None
+        trees: list[DraftTree] = []
+        specs: list[SpecConfig] = []
+        drafting = []
+        for r, s in zip(active, actions):
+            remaining = r.max_new - len(r.new_tokens)
+            if s.depth > 0 and self.drafter is not None and remaining > 1:
+                s = s if s.depth < remaining else _replace_depth(s, remaining - 1)  # never draft past the end
+                drafting.append(len(trees))
+            specs.append(s)
+            trees.append(DraftTree.root_only(r.tokens[-1]))
+        if drafting:
+            reqs = [
+                (active[i].index, active[i].tokens, specs[i], active[i].params, active[i].generator) for i in drafting
+            ]
+            drafted = self.drafter.draft_many(reqs)  # one drafter forward per depth for the whole batch
+            for i, tree in zip(drafting, drafted):
+                trees[i] = tree
+        items = []
+        scratch: list[torch.Tensor] = []
+        for r, tree in zip(active, trees):
+            n = tree.num_nodes
+            ctx = r.slot_table[: r.cached_len + 1].cpu()
+            node_slots = kv.scratch_slots(r.index, n - 1) if n > 1 else torch.empty(0, dtype=torch.long)
+            scratch.append(node_slots)
+            items.append(tree_item(tree.tokens, tree.parents, tree.depths, ctx[:-1], torch.cat([ctx[-1:], node_slots])))
+        t0 = time.perf_counter()
+        out = self.target.forward_batch(
+            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer
+        )
+        forward_seconds = time.perf_counter() - t0
+        phase = timer.reset() if timer is not None else {}
+        offload_stats = None
+        if self.offload is not None:  # drafting (stand-ins, prefetch) + verification loads of this step
+            offload_stats = self.offload.stats.snapshot()
+            self.offload.stats.reset()
+        off = 0
+        for r, tree, s, a, node_slots in zip(active, trees, specs, actions, scratch):
+            n = tree.num_nodes
+            t1 = time.perf_counter()
+            logits = out.logits[off : off + n]
+            result = self._verify(r, tree, logits, s)
+            accepted = result.accepted_nodes
+            if accepted:
+                src = node_slots[torch.tensor(accepted) - 1]
+                L0 = r.cached_len + 1
+                kv.copy_slots(src.to(kv.k.device), r.slot_table[L0 : L0 + len(accepted)])
+            kv.release_scratch(r.index)
+            committed = self._commit(r, result.committed_tokens, r.eos_token_id)
+            if self.drafter is not None:
+                self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=out.hidden[off : off + n])
+            book = time.perf_counter() - t1
+            stats = self._round_stats(r, tree, s, a, result, committed, out, off, n, phase, forward_seconds, book)
+            stats.offload = offload_stats
+            stats.batch_size = len(active)
+            if self.round_cost is not None:
+                stats.cost, stats.cost_ar = self.round_cost(stats)
+            r.rounds.append(stats)
+            off += n
+        if self.check_kv:
+            self._check_kv(active, kv)
+
+    def _check_kv(self, active: list[_Request], kv: PagedKVCache) -> None:
+        """KV invariant: no scratch is held between rounds and each request's committed slots hold
+        exactly the K/V a fresh prefill of its committed tokens produces (no unverified token)."""
+        if kv.scratch:
+            raise AssertionError(f"scratch blocks still held after the round: {kv.scratch}")
+        cfg = self.target.config
+        for r in active:
+            n = r.cached_len
+            fresh = PagedKVCache(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-n // 16) + 1, 16, kv.k.dtype, kv.k.device
+            )
+            fresh.add_sequence(0)
+            fresh.reserve(0, n)
+            slots = fresh.slots(0, range(n))
+            self.target.forward_batch(pack([chain_item(r.tokens[:n], slots[:0], slots)], self.target.device), fresh)
+            mine = r.slot_table[:n]
+            for name, a, b in (("K", kv.k, fresh.k), ("V", kv.v, fresh.v)):
+                if not torch.allclose(a[:, mine], b[:, slots.to(b.device)], atol=1e-4, rtol=1e-4):
+                    raise AssertionError(f"request {r.index}: committed {name} cache differs from a fresh prefill")
+
+    def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
+        if tree.num_nodes == 1:  # plain decode: the same draw as target-only sampling
+            if r.params.greedy:
+                tok = int(logits[0].argmax())
+            else:
+                tok = sample_from_probs(process_logits(logits[0], r.params), r.generator)
+            return VerifyResult(accepted_nodes=[], committed_tokens=[tok], bonus=True, rejection_depth=None)
+        target_probs = process_logits(logits, r.params)
+        draft_probs = tree.draft_probs if (s.use_drafted_children and not r.params.greedy) else None
+        return verify_tree(tree.tokens, tree.parents, target_probs, r.params, r.generator, draft_probs)
+
+    def _commit(self, r: _Request, tokens: list[int], eos_token_id: int | None) -> int:
+        room = r.max_new - len(r.new_tokens)
+        tokens = tokens[:room]
+        if eos_token_id is not None and eos_token_id in tokens:
+            tokens = tokens[: tokens.index(eos_token_id) + 1]
+            r.finish_reason = "eos"
+        r.tokens.extend(tokens)
+        r.new_tokens.extend(tokens)
+        if r.finish_reason is None and len(r.new_tokens) >= r.max_new:
+            r.finish_reason = "length"
+        return len(tokens)
+
+    # ------------------------------------------------------------------ stats
+    def _round_stats(self, r, tree, s, action, result, committed, out, off, n, phase, forward_seconds, book):
+        K = int(tree.max_depth) if n > 1 else 0
+        acc = result.accepted_len
+        tried = len(result.children_tried) if n > 1 else 0
+        stats = RoundStats(
+            round_index=len(r.rounds),
+            depth=action.depth,
+            built_depth=K,
+            width=s.width,
+            lam=float(s.lam),
+            verified_tokens=n,
+            proposed=n - 1,
+            accepted=acc,
+            committed=committed,
+            bonus=result.bonus and n > 1,
+            rejection_depth=result.rejection_depth,
+            attempted_by_depth=[1 if d <= tried else 0 for d in range(1, K + 1)],
+            accepted_by_depth=[1 if d <= acc else 0 for d in range(1, K + 1)],
+            draft_confidence=list(tree.confidence)[:K],
+            verify_rule=s.verify_rule,
+        )
+        if self.instrument and out.routing is not None and out.routing.expert_ids:
+            ids = [e[off : off + n] for e in out.routing.expert_ids]  # L x [n, r]
+            fp = round_footprint(ids, self.target.config.num_experts, r.prev_pairs)
+            stats.tokens_per_expert = fp.tokens_per_expert
+            stats.distinct_experts = fp.distinct_experts
+            stats.reuse = fp.reuse
+            stats.overlap_prev = fp.overlap_prev
+            stats.new_pairs_per_node = fp.new_pairs_per_node
+            r.prev_pairs = fp.pairs
+            if self.rank_loads is not None:
+                stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = self.rank_loads(ids)
+            if self.cost_model is not None:
+                stats.modelled_seconds = float(self.cost_model(ids, r.cached_len))
+        stats.time = dict(phase)
+        stats.time["draft"] = tree.draft_seconds
+        stats.time["forward"] = forward_seconds
+        stats.time["sampling"] = book
+        stats.round_seconds = forward_seconds + tree.draft_seconds + book
+        return stats
+
+    # ------------------------------------------------------------------ policy interface
+    def observe_request(self, req: _Request, batch_size: int = 1) -> Observation:
+        """The Observation a policy sees before `req`'s next round (engine.runtime.observation.observe)."""
+        cfg = self.target.config
+        return observe(
+            req.rounds,
+            position=len(req.new_tokens),
+            max_new_tokens=req.max_new,
+            prompt_len=len(req.prompt),
+            batch_size=batch_size,
+            calibration=self.calibration,
+            top_k=cfg.top_r if cfg.is_moe else 0,
+            num_moe_layers=len(self.target.moe_blocks),
+        )
+
+
+def _virtual_rank_loads(placement, target: Model):
+    """RoundStats' rank imbalance / cross-node ratio for a virtual EP layout (engine.placement)."""
+    from engine.parallel.placement import ExpertPlacement, layout_stats
+
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(f"virtual_ep must be an engine.placement.ExpertPlacement, got {type(placement).__name__}")
+    if placement.num_experts != target.config.num_experts:
+        raise ValueError(
+            f"virtual_ep places {placement.num_experts} experts but the target has {target.config.num_experts}"
+        )
+
+    def loads(ids: list[torch.Tensor]) -> tuple[float, float, float]:
+        s = layout_stats(ids, placement)
+        return s.imbalance_mean, s.imbalance_max, s.cross_node_ratio
+
+    return loads
+
+
+def _replace_depth(s: SpecConfig, depth: int) -> SpecConfig:
+    return replace(s, depth=depth)

@@ -1,0 +1,207 @@
+"""The one observation function: a request's `RoundStats` history -> what a policy sees.
+
+The engine owns its telemetry, so the live environment, the replay environment and a policy deployed
+in the engine all call `observe` and can never compute the observation differently (DESIGN.md §3).
+It reads only RoundStats fields (duck-typed), never an engine object.
+
+Vector layout (`Observation.vector()`, float32, Kmax = `KMAX`; all entries bounded, see `BOUNDS`):
+
+    index             field                     meaning
+    0 .. K-1          acceptance_ema[d]         EMA of a_d = P(depth d accepted | parent accepted); prior 0.5
+    K                 accepted_last / KMAX      drafted nodes accepted last round
+    K+1               committed_ema / (KMAX+1)  EMA of committed tokens per round
+    K+2 .. 2K+1       confidence_last[d]        raw draft confidence per depth, last round (0 = not drafted)
+    2K+2 .. 3K+1      confidence_cal_last[d]    the same, calibrated (P(accepted | confidence))
+    3K+2              footprint_frac            mean_l U_l / (n·r) of the last verification (1 = no reuse)
+    3K+3              new_pairs_per_node / r·L  (layer, expert) pairs added per drafted node, normalised
+    3K+4              overlap_prev              share of last round's pairs also used the round before
+    3K+5              rank_imbalance - 1        max/mean EP rank load − 1 (0 without an EP layout), clipped
+    3K+6              cross_node_ratio          share of assignments on another node
+    3K+7              utility_last / 4          R · T_AR / T_spec of the last round, clipped to [0, 4]
+    3K+8              utility_ema / 4
+    3K+9              cost_ratio_last / 8       T_spec / T_AR of the last round, clipped to [0, 8]
+    3K+10             position_frac             new tokens so far / max_new_tokens
+    3K+11             log2(batch_size) / 8      requests in the batch this request is verified with
+    3K+12             depth_last / KMAX         depth actually built last round
+    3K+13             first_round               1 before the first round, else 0
+
+`OBS_SIGNATURE` names this layout; a frozen policy stores it and refuses another layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+KMAX = 8
+EMA = 0.3  # weight of the newest round in every EMA
+PRIOR_ACCEPTANCE = 0.5
+OBS_FIELDS = (
+    [f"acceptance_ema_{d}" for d in range(1, KMAX + 1)]
+    + ["accepted_last", "committed_ema"]
+    + [f"confidence_last_{d}" for d in range(1, KMAX + 1)]
+    + [f"confidence_cal_last_{d}" for d in range(1, KMAX + 1)]
+    + ["footprint_frac", "new_pairs_per_node", "overlap_prev", "rank_imbalance", "cross_node_ratio"]
+    + ["utility_last", "utility_ema", "cost_ratio_last", "position_frac", "batch_size", "depth_last", "first_round"]
+)
+OBS_DIM = len(OBS_FIELDS)
+OBS_SIGNATURE = "expertspec-obs-v1:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
+
+Calibration = Callable[[float, int], float]  # (raw confidence, depth 1..K) -> P(accepted)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a policy sees before a round of one request. Raw fields plus `vector()` for learned agents."""
+
+    acceptance_ema: tuple[float, ...] = (PRIOR_ACCEPTANCE,) * KMAX  # [KMAX]
+    attempts_by_depth: tuple[int, ...] = (0,) * KMAX  # [KMAX] rounds in which depth d was tried
+    accepted_last: int = 0
+    committed_last: int = 0
+    committed_ema: float = 1.0
+    depth_last: int = 0
+    width_last: int = 0
+    confidence_last: tuple[float, ...] = (0.0,) * KMAX  # [KMAX]
+    confidence_cal_last: tuple[float, ...] = (0.0,) * KMAX  # [KMAX]
+    footprint_frac: float = 0.0
+    new_pairs_per_node: float = 0.0
+    overlap_prev: float = 0.0
+    rank_imbalance: float = 1.0
+    cross_node_ratio: float = 0.0
+    utility_last: float = 1.0
+    utility_ema: float = 1.0
+    cost_last: float = 0.0  # T_spec of the last round (seconds under the engine's cost source)
+    cost_ar: float = 0.0  # T_AR: one target-only decode step under the same cost source
+    cost_ratio_last: float = 1.0  # T_spec / T_AR
+    position: int = 0  # new tokens committed so far
+    max_new_tokens: int = 1
+    prompt_len: int = 0
+    batch_size: int = 1
+    round_index: int = 0  # rounds completed so far
+    top_k: int = 0  # routing top-r of the target (0 = dense / unknown)
+    num_moe_layers: int = 0
+    extras: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def position_frac(self) -> float:
+        return min(self.position / max(self.max_new_tokens, 1), 1.0)
+
+    def vector(self) -> np.ndarray:
+        """The Box observation [OBS_DIM] float32 (layout in the module docstring)."""
+        rL = max(self.top_k * self.num_moe_layers, 1)
+        v = [
+            *self.acceptance_ema,
+            self.accepted_last / KMAX,
+            self.committed_ema / (KMAX + 1),
+            *self.confidence_last,
+            *self.confidence_cal_last,
+            self.footprint_frac,
+            self.new_pairs_per_node / rL,
+            self.overlap_prev,
+            self.rank_imbalance - 1.0,
+            self.cross_node_ratio,
+            self.utility_last / 4.0,
+            self.utility_ema / 4.0,
+            self.cost_ratio_last / 8.0,
+            self.position_frac,
+            math.log2(max(self.batch_size, 1)) / 8.0,
+            self.depth_last / KMAX,
+            1.0 if self.round_index == 0 else 0.0,
+        ]
+        return np.clip(np.asarray(v, dtype=np.float32), 0.0, 1.0)
+
+
+BOUNDS = (0.0, 1.0)  # every vector entry is clipped into this box
+
+
+def _pad(xs: Sequence[float], fill: float = 0.0) -> tuple[float, ...]:
+    xs = [float(x) for x in list(xs)[:KMAX]]
+    return tuple(xs + [fill] * (KMAX - len(xs)))
+
+
+def round_cost(stats: Any) -> tuple[float, float]:
+    """(T_spec, T_AR) of a round: its `cost` / `cost_ar` if set, else measured seconds and no T_AR."""
+    cost = getattr(stats, "cost", None)
+    cost_ar = getattr(stats, "cost_ar", None)
+    if cost is None:
+        cost = float(stats.round_seconds)
+    return float(cost), float(cost_ar or 0.0)
+
+
+def observe(
+    rounds: Sequence[Any],
+    *,
+    position: int,
+    max_new_tokens: int,
+    prompt_len: int = 0,
+    batch_size: int = 1,
+    calibration: Calibration | None = None,
+    top_k: int = 0,
+    num_moe_layers: int = 0,
+) -> Observation:
+    """Observation before the next round of a request whose previous rounds are `rounds` (RoundStats).
+
+    A pure function of its arguments: replaying the same RoundStats gives the same observation.
+    """
+    acc = [PRIOR_ACCEPTANCE] * KMAX
+    tries = [0] * KMAX
+    committed_ema, utility_ema = 1.0, 1.0
+    for s in rounds:
+        att, ok = list(s.attempted_by_depth), list(s.accepted_by_depth)
+        for d in range(min(len(att), KMAX)):
+            if att[d]:
+                tries[d] += 1
+                acc[d] += EMA * (float(ok[d]) - acc[d])
+        committed_ema += EMA * (s.committed - committed_ema)
+        cost, cost_ar = round_cost(s)
+        u = s.committed * cost_ar / cost if cost > 0 and cost_ar > 0 else 1.0
+        utility_ema += EMA * (u - utility_ema)
+    common = dict(
+        acceptance_ema=tuple(acc),
+        attempts_by_depth=tuple(tries),
+        committed_ema=committed_ema,
+        utility_ema=utility_ema,
+        position=position,
+        max_new_tokens=max_new_tokens,
+        prompt_len=prompt_len,
+        batch_size=batch_size,
+        round_index=len(rounds),
+        top_k=top_k,
+        num_moe_layers=num_moe_layers,
+    )
+    if not rounds:
+        return Observation(**common)
+    s = rounds[-1]
+    conf = list(s.draft_confidence)[:KMAX]
+    cal = [calibration(c, d + 1) for d, c in enumerate(conf)] if calibration is not None else conf
+    cost, cost_ar = round_cost(s)
+    u_last = s.committed * cost_ar / cost if cost > 0 and cost_ar > 0 else 1.0
+    n = max(int(s.verified_tokens), 1)
+    U = list(s.distinct_experts)
+    footprint = sum(U) / (len(U) * n * top_k) if U and top_k else 0.0
+    new_pairs = getattr(s, "new_pairs_per_node", None)
+    if new_pairs is None:
+        new_pairs = 0.0
+    return Observation(
+        **common,
+        accepted_last=int(s.accepted),
+        committed_last=int(s.committed),
+        depth_last=int(getattr(s, "built_depth", s.depth)),
+        width_last=int(s.width),
+        confidence_last=_pad(conf),
+        confidence_cal_last=_pad(cal),
+        footprint_frac=float(footprint),
+        new_pairs_per_node=float(new_pairs),
+        overlap_prev=float(s.overlap_prev or 0.0),
+        rank_imbalance=float(s.rank_imbalance_mean or 1.0),
+        cross_node_ratio=float(s.cross_node_ratio or 0.0),
+        utility_last=float(u_last),
+        cost_last=cost,
+        cost_ar=cost_ar,
+        cost_ratio_last=cost / cost_ar if cost_ar > 0 else 1.0,
+    )

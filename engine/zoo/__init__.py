@@ -1,0 +1,1 @@
+"""The zoo: corpus, tokenizer, tiny-model and head training (python -m engine.zoo)."""
