@@ -44,7 +44,7 @@ import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import annotate_tree, select_verified
-from engine.drafting.tree_growth import TreeGrowth
+from engine.drafting.tree_growth import TreeGrowth, drafts_iid
 from engine.models.batching import PackItem, chain_item, pack
 from engine.models.expert_predictor import ExpertPredictor
 from engine.models.feature_heads import FeatureHead, MTPHead
@@ -278,10 +278,10 @@ class EagleDrafter:
         rounds: dict[int, _Round] = {}
         for j, i in enumerate(live):
             seq_id, tokens, spec, params, generator = requests[i]
-            drafted = spec.use_drafted_children and not params.greedy
+            drafted = drafts_iid(spec, params)
             # deterministic children are re-ranked after growth (EAGLE-2): grow the whole bounded pool
             grow_spec = spec if drafted else replace(spec, max_verify=None)
-            growth = TreeGrowth(tokens[-1], root_logits[j], grow_spec, params, generator)
+            growth = TreeGrowth(tokens[-1], root_logits[j], grow_spec, params, generator, len(tokens))
             rounds[i] = _Round(seq_id, spec, growth, {0: roots[i]})
         depth = 1
         while True:

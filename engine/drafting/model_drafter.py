@@ -27,7 +27,7 @@ import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES
 from engine.drafting.selection import select_by_probability, select_expert_aware
-from engine.drafting.tree_growth import TreeGrowth
+from engine.drafting.tree_growth import TreeGrowth, drafts_iid
 from engine.models.batching import PackItem, chain_item, pack
 from engine.models.kv_cache import PagedKVCache
 from engine.models.transformer import Model
@@ -147,11 +147,13 @@ class ModelDrafter:
         ends = torch.tensor([it.tokens.shape[0] for it in items]).cumsum(0) - 1
         # λ > 0 with a predictor: grow the whole bounded pool, predict each node's experts, then select
         aware = [
-            self.predictor is not None and spec.lam > 0 and not (spec.use_drafted_children and not params.greedy)
+            self.predictor is not None and spec.lam > 0 and not drafts_iid(spec, params)
             for _, _, spec, params, _ in requests
         ]
         states = [
-            TreeGrowth(tokens[-1], logits[int(e)], replace(spec, max_verify=None) if a else spec, params, generator)
+            TreeGrowth(
+                tokens[-1], logits[int(e)], replace(spec, max_verify=None) if a else spec, params, generator, len(tokens)
+            )
             for (_, tokens, spec, params, generator), e, a in zip(requests, ends, aware)
         ]
         feats: list[dict[int, torch.Tensor]] = [{0: hidden[int(e)]} for e in ends]  # node -> drafter hidden

@@ -1,7 +1,9 @@
 """Depth-by-depth growth of one draft tree from drafter logits, shared by the model and feature-head drafters.
 
-Top-W children per frontier node (deterministic) or W i.i.d. samples (drafted), the `frontier` best kept
-per depth (bounded frontier, EAGLE-2 2406.16858), within the node budget.
+Top-W children per frontier node (deterministic), W i.i.d. samples (drafted), or, for a request in
+position mode, the top-W of (log q + g_p) under the public noise g_p of the children's position
+(engine.spec.gumbel); the `frontier` best kept per depth (bounded frontier, EAGLE-2 2406.16858), within
+the node budget.
 
 Shape letters: N=nodes V=vocab F=frontier W=width.
 """
@@ -13,6 +15,7 @@ import torch
 from engine.drafting.protocol import MAX_TREE_NODES
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
+from engine.spec.gumbel import gumbel_top_w, position_gumbel_many
 from engine.spec.sampling import SamplingParams, process_logits, sample_from_probs
 
 
@@ -20,13 +23,20 @@ def _node_budget(spec: SpecConfig) -> int:
     return min(spec.max_verify or MAX_TREE_NODES, MAX_TREE_NODES)
 
 
+def drafts_iid(spec: SpecConfig, params: SamplingParams) -> bool:
+    """Children drawn i.i.d. from the drafter, verified by min(1, p/q): sampling, generator mode, drafted."""
+    return spec.use_drafted_children and not params.greedy and not params.position_keyed
+
+
 class TreeGrowth:
     """Depth-by-depth growth of one draft tree from drafter logits (shared by model and feature drafters).
 
     `grow(d)` turns the current frontier's logits (`node_logits`) into depth-d nodes: top-W children per
-    frontier node (deterministic) or W i.i.d. samples (drafted), the `frontier` best kept (EAGLE-2
-    2406.16858; drafted mode keeps whole sibling groups), within the node budget. It returns the nodes
-    to run through the drafter next (their logits feed depth d + 1), or None when the tree is complete.
+    frontier node (deterministic), W i.i.d. samples (drafted) or the Gumbel-top-W under the public noise
+    (position mode; `position` = absolute position of the depth-1 children = len(committed tokens)), the
+    `frontier` best kept (EAGLE-2 2406.16858; drafted mode keeps whole sibling groups), within the node
+    budget. It returns the nodes to run through the drafter next (their logits feed depth d + 1), or None
+    when the tree is complete.
     """
 
     def __init__(
@@ -36,10 +46,17 @@ class TreeGrowth:
         spec: SpecConfig,
         params: SamplingParams,
         generator: torch.Generator,
+        position: int | None = None,
     ) -> None:
         self.spec, self.generator = spec, generator
-        self.drafted = spec.use_drafted_children and not params.greedy
+        self.drafted = drafts_iid(spec, params)
         self.q_params = params if not params.greedy else SamplingParams(temperature=1.0)
+        self.noise = None  # [K, V] position mode: row d - 1 = public noise of the depth-d children
+        if params.position_keyed and spec.depth > 0:
+            if position is None:
+                raise ValueError("position mode needs `position`: the absolute position of the depth-1 children")
+            positions = range(position, position + spec.depth)
+            self.noise = position_gumbel_many(params.seed, positions, root_logits.shape[-1], root_logits.device)
         self.budget = _node_budget(spec)
         self.frontier_cap = spec.frontier or spec.width
         self.tok, self.par, self.dep, self.path = [root_token], [-1], [0], [1.0]
@@ -57,6 +74,8 @@ class TreeGrowth:
             self.qrows[f] = q
             if self.drafted:
                 kids = [sample_from_probs(q, self.generator) for _ in range(spec.width)]
+            elif self.noise is not None:
+                kids = gumbel_top_w(q.log().unsqueeze(0), self.noise[d - 1 : d], spec.width)[0].tolist()
             else:
                 kids = torch.topk(q, spec.width).indices.tolist()
             for k in kids:

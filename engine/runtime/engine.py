@@ -35,6 +35,7 @@ from engine.runtime.session import Session
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
+from engine.spec.gumbel import position_gumbel_many, verify_gumbel
 from engine.spec.sampling import SamplingParams, process_logits, sample_from_probs
 from engine.spec.verify import VerifyResult, verify_tree
 from engine.timing import PhaseTimer
@@ -185,6 +186,7 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ public entry
+    @torch.inference_mode()
     def start(
         self,
         prompts: list[list[int]],
@@ -268,6 +270,8 @@ class Engine:
         return kv
 
     def _new_request(self, rid: int, prompt, max_new: int, params: SamplingParams, generator) -> _Request:
+        if params.mode == "position":  # the noise key: the request's stream seed (seed + j if shared, drawn if None)
+            params = replace(params, seed=generator.initial_seed())
         return _Request(index=rid, prompt=list(prompt), max_new=max_new, params=params, generator=generator,
                         tokens=list(prompt))  # fmt: skip
 
@@ -393,6 +397,11 @@ class Engine:
                     raise AssertionError(f"request {r.index}: committed {name} cache differs from a fresh prefill")
 
     def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
+        if r.params.position_keyed:  # y_p = argmax(log p_target + g_p), also for K = 0 (engine.spec.gumbel)
+            first = len(r.tokens)  # absolute position of the first token this round commits
+            positions = range(first, first + tree.max_depth + 1)
+            noise = position_gumbel_many(r.params.seed, positions, logits.shape[-1], logits.device)
+            return verify_gumbel(tree.tokens, tree.parents, process_logits(logits, r.params), noise)
         if tree.num_nodes == 1:  # plain decode: the same draw as target-only sampling
             if r.params.greedy:
                 tok = int(logits[0].argmax())

@@ -40,13 +40,13 @@ def coerce_action(action: Any) -> SpecConfig:
             raise ValueError(f"action {dict(action)!r}: unknown fields {unknown}; SpecConfig has {known}")
         return SpecConfig(**action)
     if isinstance(action, (str, bytes)) or action is None:
-        raise ValueError(f"policy returned {action!r}; {ACTION_HELP}")
+        raise ValueError(f"action {action!r}: {ACTION_HELP}")
     try:
         seq = list(action.tolist() if hasattr(action, "tolist") else action)
     except TypeError as err:
-        raise ValueError(f"policy returned {action!r}; {ACTION_HELP}") from err
+        raise ValueError(f"action {action!r}: {ACTION_HELP}") from err
     if not 1 <= len(seq) <= 3:
-        raise ValueError(f"policy returned {seq!r} ({len(seq)} numbers); {ACTION_HELP}")
+        raise ValueError(f"action {seq!r} has {len(seq)} numbers; {ACTION_HELP}")
     K = _integer(seq[0], "K", action)
     W = _integer(seq[1], "W", action) if len(seq) > 1 else 1
     lam = seq[2] if len(seq) > 2 else 0.0

@@ -62,6 +62,7 @@ class Session:
         """True when no request is active (collective under EP: every rank must ask together)."""
         return not self.engine._any_active(bool(self._active))
 
+    @torch.inference_mode()
     def add(
         self,
         prompts: list[list[int]],

@@ -8,6 +8,9 @@ through `engine.verify`, which draws its uniforms the same way) with a per-reque
 
 which draws exactly one float64 uniform per token; a speculative round with zero drafts draws the
 same single uniform (see `engine.verify.verify_tree`), so K = 0 reproduces plain decoding bit for bit.
+
+SamplingParams(mode="position") replaces the generator by Gumbel noise keyed on (seed, position)
+(`engine.spec.gumbel`): the committed text then no longer depends on the speculation at all.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from torch import Tensor
 
 # V=vocab
 
-__all__ = ["SamplingParams", "make_generator", "process_logits", "sample_from_probs"]
+__all__ = ["MODES", "SamplingParams", "make_generator", "process_logits", "sample_from_probs"]
 
 _SEED_MODULUS = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+MODES = ("generator", "position")
 
 
 @dataclass(frozen=True)
@@ -33,12 +37,18 @@ class SamplingParams:
     top_k:       keep the top_k most likely tokens (0 = off); ties go to the lower token id.
     top_p:       nucleus; keep the smallest most-likely set whose mass >= top_p (1.0 = off).
     seed:        per-request random stream (see `make_generator`); None = nondeterministic.
+    mode:        where the randomness of sampling comes from.
+                 "generator": the request's `torch.Generator`, uniforms drawn as verification consumes them.
+                 "position": the token at absolute position p is argmax(log p_target + g_p) with Gumbel
+                 noise keyed on (the request's seed, p) only (`engine.spec.gumbel`, 2408.07978): the text
+                 is the same for every K, W, λ, drafter and batch, and drafters propose with that noise.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    mode: str = "generator"
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -53,11 +63,18 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
             raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {s!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"SamplingParams.mode must be one of {MODES}, got {self.mode!r}")
 
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature == 0); top_k / top_p are then irrelevant."""
         return self.temperature == 0
+
+    @property
+    def position_keyed(self) -> bool:
+        """Sampling (not greedy) in mode "position": tokens are Gumbel-max samples under keyed noise."""
+        return self.mode == "position" and not self.greedy
 
 
 def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:

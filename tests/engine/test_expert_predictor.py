@@ -147,6 +147,11 @@ def test_trained_smoke_heads_as_drafters(smoke_cli):
     ]
     for drafter in drafters:
         eng = engine.Engine(target, drafter=drafter, check_kv=True)
-        for spec in (engine.SpecConfig(depth=3, width=1), engine.SpecConfig(depth=3, width=2, lam=1.0)):
+        lam_spec = engine.SpecConfig(depth=3, width=2, lam=1.0)
+        for spec in (engine.SpecConfig(depth=3, width=1), lam_spec):
+            if spec.lam > 0 and not drafter.predicts_experts:  # λ without a predictor: a clear error, not ignored
+                with pytest.raises(ValueError, match="expert predictor"):
+                    eng.generate(prompts, 16, spec=spec)
+                continue
             assert [r.token_ids for r in eng.generate(prompts, 16, spec=spec)] == base
         drafter.kv.check_quiescent()

@@ -1,0 +1,212 @@
+"""The steppable session (Engine.start / Session.step / close): equal to generate, continuous batching,
+KV release after errors, clear errors that leave the session usable."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine
+from engine.models.kv_cache import KVCacheFull
+from engine.paths import zoo_path
+from engine.runtime.observation import Observation
+from engine.workloads import code_prompts, encode, prose_prompts
+
+CHAIN = engine.SpecConfig(depth=4, width=1)
+TREE = engine.SpecConfig(depth=3, width=2, frontier=3)
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    target = engine.load_model(zoo_path("tiny-moe"))
+    drafter = engine.load_model(zoo_path("tiny-dense"))
+    prompts = encode(target.tokenizer, code_prompts(2) + prose_prompts(1), 40)
+    return target, drafter, prompts
+
+
+def _sampling(kind: str, n: int):
+    if kind == "greedy":
+        return engine.SamplingParams()
+    return [engine.SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i) for i in range(n)]
+
+
+def _stepped(eng, prompts, n, sampling, actions_for):
+    session = eng.start(prompts, n, sampling=sampling)
+    try:
+        step = 0
+        while not session.done:
+            session.step([actions_for(rid, step) for rid in session.active])
+            step += 1
+        return session.results()
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+def test_stepping_by_hand_equals_generate(zoo, kind, spec):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    ref = eng.generate(prompts, 20, sampling=_sampling(kind, len(prompts)), spec=spec)
+    got = _stepped(eng, prompts, 20, _sampling(kind, len(prompts)), lambda rid, step: spec)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [[s.committed for s in r.rounds] for r in got] == [[s.committed for s in r.rounds] for r in ref]
+    eng.kv.check_quiescent()
+
+
+def test_per_request_actions_equal_a_policy(zoo):
+    """Different (K, W) per request and per round by hand == the same choices through generate(policy=...)."""
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+
+    def choice(prompt_len: int, round_index: int):
+        return ((prompt_len + round_index) % 5, 1 + round_index % 2, 0.0)
+
+    def policy(obs: Observation):
+        return choice(obs.prompt_len, obs.round_index)
+
+    sampling = _sampling("sampled", len(prompts))
+    ref = eng.generate(prompts, 18, sampling=sampling, policy=policy)
+    session = eng.start(prompts, 18, sampling=sampling)
+    try:
+        while not session.done:
+            acts = {}
+            for rid in session.active:
+                obs = session.observation(rid)
+                acts[rid] = choice(obs.prompt_len, obs.round_index)
+            stats = session.step(acts)
+            assert len(stats) == len(acts)
+        got = session.results()
+    finally:
+        session.close()
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [[s.depth for s in r.rounds] for r in got] == [[s.depth for s in r.rounds] for r in ref]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_adding_a_request_mid_session_leaves_the_others_unchanged(zoo, kind):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    first, late = prompts[:2], prompts[2:]
+    s_first, s_late = _sampling(kind, 2), _sampling(kind, 1)
+    if kind == "sampled":
+        s_late = [engine.SamplingParams(temperature=0.8, top_p=0.95, seed=99)]
+    ref_first = [r.token_ids for r in eng.generate(first, 16, sampling=s_first, spec=TREE)]
+    ref_late = [r.token_ids for r in eng.generate(late, 12, sampling=s_late, spec=CHAIN)]
+    session = eng.start(first, 16, sampling=s_first, spec=TREE, reserve_tokens=len(late[0]) + 12)
+    try:
+        session.step()
+        session.step()
+        (rid,) = session.add(late, 12, sampling=s_late)
+        assert rid == 2 and session.active[-1] == 2
+        while not session.done:
+            session.step([CHAIN if r == rid else TREE for r in session.active])
+        got = [r.token_ids for r in session.results()]
+    finally:
+        session.close()
+    assert got[:2] == ref_first and got[2:] == ref_late
+    eng.kv.check_quiescent()
+
+
+def test_add_beyond_capacity_is_refused_without_side_effects(zoo):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    session = eng.start(prompts[:1], 8, spec=CHAIN)
+    try:
+        free = session.kv.num_free_blocks
+        with pytest.raises(KVCacheFull, match="cannot admit"):
+            session.add(prompts * 4, 200)
+        assert session.kv.num_free_blocks == free and session.active == [0]
+        while not session.done:
+            session.step()
+    finally:
+        session.close()
+    eng.kv.check_quiescent()
+
+
+def test_close_releases_every_block_also_after_an_exception(zoo, monkeypatch):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    session = eng.start(prompts, 16, spec=TREE)
+    session.step()
+    calls = {"n": 0}
+    real = eng.target.forward_batch
+
+    def failing(*args, **kwargs):  # fail inside the step, after drafting allocated scratch KV
+        calls["n"] += 1
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(eng.target, "forward_batch", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        session.step()
+    assert calls["n"] == 1 and session.kv.scratch  # the failure left scratch blocks held
+    with pytest.raises(RuntimeError, match="failed"):
+        session.step()
+    session.close()
+    eng.kv.check_quiescent()
+    monkeypatch.setattr(eng.target, "forward_batch", real)
+    assert eng.generate(prompts[:1], 4)[0].token_ids  # the engine is usable again
+    session.close()  # idempotent
+
+
+def test_context_manager_closes(zoo):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    with eng.start(prompts, 8, spec=CHAIN) as session:
+        session.step()
+        with pytest.raises(RuntimeError, match="open session"):
+            eng.start(prompts, 8)
+    eng.kv.check_quiescent()
+    with pytest.raises(RuntimeError, match="closed"):
+        session.step()
+
+
+@pytest.mark.parametrize(
+    ("actions", "match"),
+    [
+        ("wrong-count", "2 actions for 3 active"),
+        ((99, 1, 0.0), "action 99: expected a SpecConfig"),
+        ("bad-K", r"depth \(K\) must be"),
+        ("width-0", r"width \(W\) must be"),
+        ("string", "expected a SpecConfig"),
+        ("unknown-id", "active ones are"),
+        ("lam-no-predictor", "expert predictor"),
+    ],
+)
+def test_invalid_actions_are_clear_errors_and_leave_the_session_usable(zoo, actions, match):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    ref = eng.generate(prompts, 10, spec=CHAIN)
+    bad = {
+        "wrong-count": [CHAIN, CHAIN],
+        "bad-K": [(99, 1, 0.0)] * 3,
+        "width-0": [(2, 0, 0.0)] * 3,
+        "string": ["4"] * 3,
+        "unknown-id": {0: CHAIN, 1: CHAIN, 7: CHAIN},
+        "lam-no-predictor": [(2, 1, 1.0)] * 3,
+    }.get(actions, actions)
+    with eng.start(prompts, 10, spec=CHAIN) as session:
+        session.step()
+        before = [list(r.new_tokens) for r in session.requests]
+        with pytest.raises(ValueError, match=match):
+            session.step(bad)
+        assert [list(r.new_tokens) for r in session.requests] == before
+        while not session.done:
+            session.step()
+        got = session.results()
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+
+
+def test_policy_gets_the_shared_observation(zoo):
+    target, drafter, prompts = zoo
+    seen: list[Observation] = []
+
+    def policy(obs):
+        seen.append(obs)
+        return CHAIN
+
+    engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, policy=policy)
+    assert all(isinstance(o, Observation) for o in seen)
+    assert seen[0].round_index == 0 and seen[1].round_index == 1 and seen[1].position == seen[0].position + (
+        seen[1].position - seen[0].position
+    )
+    assert seen[-1].vector().shape == seen[0].vector().shape
