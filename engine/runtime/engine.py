@@ -479,6 +479,7 @@ class Engine:
             calibration=self.calibration,
             top_k=cfg.top_r if cfg.is_moe else 0,
             num_moe_layers=len(self.target.moe_blocks),
+            request_id=req.index,
         )
 
 

@@ -83,6 +83,7 @@ class Observation:
     prompt_len: int = 0
     batch_size: int = 1
     round_index: int = 0  # rounds completed so far
+    request_id: int = -1  # the request this observation is about (stateful policies key their state on it)
     top_k: int = 0  # routing top-r of the target (0 = dense / unknown)
     num_moe_layers: int = 0
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -143,6 +144,7 @@ def observe(
     calibration: Calibration | None = None,
     top_k: int = 0,
     num_moe_layers: int = 0,
+    request_id: int = -1,
 ) -> Observation:
     """Observation before the next round of a request whose previous rounds are `rounds` (RoundStats).
 
@@ -171,6 +173,7 @@ def observe(
         prompt_len=prompt_len,
         batch_size=batch_size,
         round_index=len(rounds),
+        request_id=request_id,
         top_k=top_k,
         num_moe_layers=num_moe_layers,
     )

@@ -170,7 +170,15 @@ def test_as_callable_resets_on_first_round():
     fn = as_callable(p)
     drive(p, lambda k, i: 2.0, 40)
     assert p.phase != "base"
-    assert fn(Observation()).depth == 0 and p.phase == "base" and len(p.blocks) == 1
+    assert fn(Observation()).depth == 0  # a new request: a fresh copy starts in the base phase
+    copy0 = fn.__closure__ and next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))[-1]
+    assert copy0.phase == "base" and len(copy0.blocks) == 1 and p.phase != "base"  # the prototype is untouched
+
+
+def test_as_callable_keeps_one_policy_per_request():
+    fn = as_callable(make_policy("cascade"))
+    a = [fn(Observation(request_id=0)).depth, fn(Observation(request_id=1)).depth]
+    assert a == [0, 0]  # both requests start their own base measurement
 
 
 def test_without_costs_utility_falls_back_to_committed_tokens():
