@@ -91,5 +91,28 @@ def select_verified(tree: DraftTree, spec: SpecConfig, drafted: bool) -> DraftTr
     elif spec.max_verify is not None:
         keep = select_by_probability(tree, spec.max_verify)
     else:
-        return tree
-    return tree if keep.numel() == tree.num_nodes else tree.subtree(keep)
+        keep = None
+    if keep is not None and keep.numel() != tree.num_nodes:
+        tree = tree.subtree(keep)
+    if spec.verify_rule == "goodput" and spec.verify_costs:
+        keep = goodput_keep(tree.parents, tree.path_prob, spec.verify_costs)
+        if keep.numel() != tree.num_nodes:
+            tree = tree.subtree(keep)
+    return tree
+
+
+def goodput_keep(parents: torch.Tensor, path_prob: torch.Tensor, verify_costs: tuple[float, ...]) -> torch.Tensor:
+    """EVICT's verification cut (2605.00342): the m most probable nodes (a prefix-closed set, since a node's
+    path probability never exceeds its parent's; ties broken by index), m maximising the expected committed
+    tokens per cost (1 + Σ path prob) / verify_costs[m], m = 0 .. min(N - 1, len(verify_costs) - 1).
+
+    parents, path_prob: [N] (node 0 = root). Returns the kept node indices [m + 1], root first, sorted."""
+    N = int(parents.shape[0])
+    order = sorted(range(1, N), key=lambda i: (-float(path_prob[i]), i))
+    best_m, best, gain = 0, 1.0 / verify_costs[0], 1.0
+    for m in range(1, min(N - 1, len(verify_costs) - 1) + 1):
+        gain += float(path_prob[order[m - 1]])
+        value = gain / verify_costs[m]
+        if value > best:
+            best_m, best = m, value
+    return torch.tensor(sorted([0] + order[:best_m]), dtype=torch.long)

@@ -93,6 +93,10 @@ class TreeGrowth:
         else:
             cand.sort(key=lambda c: -c[0])
             cand = cand[: min(self.frontier_cap, room)]
+        if spec.verify_rule == "threshold" and cand:  # stop drafting below the path-probability threshold
+            t = spec.verify_threshold
+            # i.i.d. children may not be filtered by value (min(1, p/q) needs them all): all or nothing
+            cand = ([] if max(c[0] for c in cand) < t else cand) if self.drafted else [c for c in cand if c[0] >= t]
         if not cand:
             self.done = True
             return None

@@ -1,0 +1,54 @@
+"""Verification rules that read this round's draft: path-probability threshold and EVICT goodput cut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine.drafting.selection import goodput_keep
+from engine.paths import zoo_path
+from engine.workloads import code_prompts, encode
+
+
+def test_goodput_keep_known_answers():
+    parents = torch.tensor([-1, 0, 1, 0, 3])
+    path = torch.tensor([1.0, 0.9, 0.8, 0.05, 0.01])
+    # cost grows slowly: verify all four; steeply: verify nothing; in between: the confident chain only
+    assert goodput_keep(parents, path, (1.0, 1.0, 1.0, 1.0, 1.0)).tolist() == [0, 1, 2, 3, 4]
+    assert goodput_keep(parents, path, (1.0, 3.0, 5.0, 7.0, 9.0)).tolist() == [0]
+    assert goodput_keep(parents, path, (1.0, 1.2, 1.4, 2.5, 3.0)).tolist() == [0, 1, 2]
+    assert goodput_keep(parents, path, (1.0, 1.01)).tolist() == [0, 1]  # the curve bounds the cut
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    target = engine.load_model(zoo_path("tiny-moe"))
+    return target, engine.load_model(zoo_path("tiny-dense")), encode(target.tokenizer, code_prompts(2), 40)
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_threshold_prunes_and_stays_exact(zoo, width):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    base = [r.token_ids for r in eng.generate(prompts, 24)]
+    full = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width))
+    cut = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width, verify_rule="threshold",
+                                                          verify_threshold=0.5))  # fmt: skip
+    assert [r.token_ids for r in cut] == base == [r.token_ids for r in full]
+    rounds_full = [s for r in full for s in r.rounds]
+    rounds_cut = [s for r in cut for s in r.rounds]
+    mean = lambda rs, f: sum(f(s) for s in rs) / len(rs)  # noqa: E731
+    assert mean(rounds_cut, lambda s: s.proposed) < mean(rounds_full, lambda s: s.proposed)
+    assert any(s.built_depth < s.depth for s in rounds_cut)
+    assert all(s.verify_rule == "threshold" for s in rounds_cut)
+
+
+def test_goodput_rule_in_the_engine_is_exact_and_cuts(zoo):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    base = [r.token_ids for r in eng.generate(prompts, 24)]
+    steep = tuple(1.0 + 0.6 * m for m in range(40))
+    res = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=2, verify_rule="goodput", verify_costs=steep))
+    assert [r.token_ids for r in res] == base
+    assert max(s.proposed for r in res for s in r.rounds) < 12  # a 6 x 2 tree has up to 12 nodes
