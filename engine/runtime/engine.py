@@ -16,6 +16,7 @@ Shape letters: B=requests N=tree nodes S=key slots V=vocab L=MoE layers E=expert
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ from engine.models.batching import chain_item, pack, tree_item
 from engine.models.kv_cache import PagedKVCache
 from engine.models.transformer import Model
 from engine.runtime.footprint import round_footprint
+from engine.runtime.frozen import load_frozen_policy
 from engine.runtime.observation import Observation, observe
 from engine.runtime.policy import Policy
 from engine.runtime.session import Session
@@ -204,8 +206,10 @@ class Engine:
         self._validate(prompts, max_new_tokens, sampling, spec, eos_token_id)
         if spec is not None:
             self._check_spec(spec)
+        if isinstance(policy, (str, os.PathLike)):  # a frozen learned policy folder (ctrl.freeze)
+            policy = load_frozen_policy(policy)
         if policy is not None and not callable(policy):
-            raise TypeError("policy must be a callable obs -> action")
+            raise TypeError("policy must be a callable obs -> action or a frozen policy folder")
         if policy is not None and self.drafter is None:
             raise ValueError("a policy chooses speculation settings and needs a drafter")
         if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or reserve_tokens < 0:

@@ -23,7 +23,7 @@ every rank (a rank with no active request runs the idle collectives).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,19 +34,18 @@ from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams, make_generator
 
-if TYPE_CHECKING:
-    from engine.runtime.engine import Engine, _Request
-
 
 class Session:
     """Requests being generated together over the engine's paged KV cache (see the module docstring)."""
 
-    def __init__(self, engine: Engine, spec: SpecConfig | None, policy: Policy | None) -> None:
+    def __init__(self, engine: Any, spec: SpecConfig | None, policy: Policy | None) -> None:
+        """engine: the `engine.runtime.engine.Engine` that opened the session (it owns the model and caches;
+        not imported here, so the session module sits below the engine module)."""
         self.engine = engine
         self.spec = spec
         self.policy = policy
-        self.requests: list[_Request] = []  # every request ever added, by id
-        self._active: list[_Request] = []
+        self.requests: list[Any] = []  # every request ever added, by id
+        self._active: list[Any] = []
         self.failed: BaseException | None = None
         self.closed = False
         self.kv = None
@@ -169,7 +168,7 @@ class Session:
             for r in self.requests
         ]
 
-    def _release(self, r: _Request) -> None:
+    def _release(self, r: Any) -> None:
         if self.kv is not None and r.index in self.kv.seqs:
             self.kv.release(r.index)
         if self.engine.drafter is not None:
