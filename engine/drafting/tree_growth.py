@@ -15,7 +15,7 @@ import torch
 from engine.drafting.protocol import MAX_TREE_NODES
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
-from engine.spec.gumbel import gumbel_top_w, position_gumbel_many
+from engine.spec.gumbel import coupled_probs, gumbel_top_w, position_gumbel_many
 from engine.spec.sampling import SamplingParams, process_logits, sample_from_probs
 
 
@@ -33,10 +33,10 @@ class TreeGrowth:
 
     `grow(d)` turns the current frontier's logits (`node_logits`) into depth-d nodes: top-W children per
     frontier node (deterministic), W i.i.d. samples (drafted) or the Gumbel-top-W under the public noise
-    (position mode; `position` = absolute position of the depth-1 children = len(committed tokens)), the
-    `frontier` best kept (EAGLE-2 2406.16858; drafted mode keeps whole sibling groups), within the node
-    budget. It returns the nodes to run through the drafter next (their logits feed depth d + 1), or None
-    when the tree is complete.
+    (position mode; `position` = absolute position of the depth-1 children = len(committed tokens); path
+    probabilities are then products of `coupled_probs`), the `frontier` best kept (EAGLE-2 2406.16858;
+    drafted mode keeps whole sibling groups), within the node budget. It returns the nodes to run through
+    the drafter next (their logits feed depth d + 1), or None when the tree is complete.
     """
 
     def __init__(
@@ -78,8 +78,10 @@ class TreeGrowth:
                 kids = gumbel_top_w(q.log().unsqueeze(0), self.noise[d - 1 : d], spec.width)[0].tolist()
             else:
                 kids = torch.topk(q, spec.width).indices.tolist()
+            # position mode ranks nodes by how likely the target's Gumbel-max choice is each child, not by q
+            score = q if self.noise is None else coupled_probs(q.log().unsqueeze(0), self.noise[d - 1 : d])[0]
             for k in kids:
-                cp = float(q[k])
+                cp = float(score[k])
                 cand.append((self.path[f] * cp, f, k, cp))
         room = self.budget - (len(self.tok) - 1)
         if self.drafted:  # keep whole sibling groups: i.i.d. children may not be filtered by value

@@ -30,6 +30,7 @@ class DraftTree:
     parents: torch.Tensor  # [N] int64, parents[0] = -1
     depths: torch.Tensor  # [N] int64
     path_prob: torch.Tensor  # [N] float32, drafter probability of the path root -> node (root 1)
+    #                          position mode: product of engine.spec.gumbel.coupled_probs instead
     draft_probs: torch.Tensor | None = None  # [N, V] law each node's children were drawn from (drafted mode)
     draft_seconds: float = 0.0
     confidence: list[float] = field(default_factory=list)  # [K] best node's conditional prob per depth
@@ -83,7 +84,3 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         if p >= 0:
             mask[i] |= mask[p]
     return mask
-
-
-
-

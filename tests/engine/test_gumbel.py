@@ -131,6 +131,19 @@ def test_argmax_same_for_float32_and_float64_logprobs():
     assert torch.equal(gumbel_argmax(logprobs, noise), gumbel_top_w(logprobs, noise, 3)[:, 0])
 
 
+def test_coupled_probs_rank_like_the_gumbel_order():
+    vocab = 30
+    logprobs = torch.log_softmax(_random_logits(vocab, seed=6, scale=2.0).expand(50, vocab), dim=-1)
+    noise = position_gumbel_many(8, range(50), vocab)
+    probs = gumbel.coupled_probs(logprobs, noise)  # [50, V]
+    assert probs.dtype == torch.float64
+    torch.testing.assert_close(probs.sum(-1), torch.ones(50, dtype=torch.float64))
+    children = gumbel_top_w(logprobs, noise, 4)  # [50, 4]
+    ranked = probs.gather(1, children)
+    assert (ranked[:, :-1] >= ranked[:, 1:]).all(), "siblings must keep their Gumbel order"
+    assert torch.equal(probs.argmax(-1), gumbel_argmax(logprobs, noise))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_noise_same_on_cuda():
