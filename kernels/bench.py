@@ -72,7 +72,21 @@ class BenchConfig:
     cpu_bw: float = 14e9
 
 
-ConfigStore.instance().store(name="kernels_bench", node=BenchConfig)
+ConfigStore.instance().store(name="kernels_bench_schema", node=BenchConfig)
+# The primary config: the schema, run where started with no output folder and quiet Hydra logging (as the
+# engine entry points, engine/cli.py); any hydra.run.dir=... / hydra/job_logging=... override still wins.
+ConfigStore.instance().store(
+    name="kernels_bench",
+    node={
+        "defaults": [
+            "kernels_bench_schema",
+            "_self_",
+            {"override hydra/job_logging": "disabled"},
+            {"override hydra/hydra_logging": "disabled"},
+        ],
+        "hydra": {"run": {"dir": "."}, "output_subdir": None},
+    },
+)
 
 
 @dataclass

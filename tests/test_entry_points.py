@@ -13,12 +13,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(args: list[str], zoo: Path, cwd: Path, timeout: int = 300) -> str:
+def _run(args: list[str], zoo: Path, cwd: Path, timeout: int = 300, stderr: list | None = None) -> str:
     env = dict(os.environ, EXPERTSPEC_ZOO=str(zoo), PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return proc.stdout
 
 
@@ -50,10 +52,18 @@ def test_bench_spec_smoke(fake_zoo, tmp_path):
         ],
         fake_zoo,
         tmp_path,
+        stderr=(err := []),
     )
     assert "best exact" in out
+    assert "settings: num_prompts=1 new_tokens=6 repeats=1 depths=[0,2] widths=[1,2]" in out
+    assert "the README's table: python -m engine.bench spec num_prompts=4 new_tokens=64" in out
+    assert "expected run time: ~" in out
+    assert "spec sweep" in err[0]  # the progress bar
+    assert "Loading" not in err[0] and "warn" not in err[0].lower()  # transformers is quiet
     res = json.loads((tmp_path / "s.json").read_text())
     assert all(row["exact"] for row in res["code"]["rows"])
+    assert all(row["speedup"] == row["tok_s"] / row["base_tok_s"] for row in res["code"]["rows"])
+    assert res["code"]["best"]["K"] > 0 and res["code"]["best_dense"]["K"] > 0
     assert res["code"]["assisted"]["same_tokens"]
 
 

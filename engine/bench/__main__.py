@@ -19,6 +19,7 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from engine.bench.configs import MODES, BenchConfig
 from engine.bench.decode import bench_decode
@@ -47,6 +48,14 @@ def _print_decode(res: dict) -> None:
         print("WARNING:", w)
 
 
+def _quiet_transformers() -> None:
+    """No transformers warnings or weight-loading bars between our tables (errors still show)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 
 
@@ -56,6 +65,8 @@ def main(cfg: BenchConfig) -> None:
     if cfg.mode not in MODES:
         raise SystemExit(f"unknown bench mode {cfg.mode!r}; use one of {MODES}")
     torch.set_num_threads(cfg.threads)
+    if cfg.mode in ("decode", "spec"):
+        _quiet_transformers()
     if cfg.mode == "decode":
         res = bench_decode(cfg)
         _print_decode(res)
@@ -65,9 +76,24 @@ def main(cfg: BenchConfig) -> None:
         res = bench_cost(cfg)
         print_cost(res)
     else:
-        from engine.bench.spec import bench_spec, print_spec
+        from engine.bench.spec import README_OVERRIDES, bench_spec, print_spec
 
-        res = bench_spec(cfg)
+        shown = ("num_prompts", "new_tokens", "repeats", "depths", "widths", "lams", "hf")
+        as_override = lambda v: "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v).lower()
+        print("settings: " + " ".join(f"{k}={as_override(getattr(cfg, k))}" for k in shown))
+        print(f"the README's table: python -m engine.bench spec {README_OVERRIDES}")
+        bar = None
+
+        def progress(label: str, done: int, total: int) -> None:
+            nonlocal bar
+            if bar is None:
+                bar = tqdm(total=total, desc="spec sweep", dynamic_ncols=True)
+            bar.set_postfix_str(label)
+            bar.update(done - bar.n)
+
+        res = bench_spec(cfg, progress=progress, log=tqdm.write)
+        if bar is not None:
+            bar.close()
         print_spec(res)
     out = Path(hydra.utils.to_absolute_path(cfg.out or f"bench_{cfg.mode}.json"))
     out.write_text(json.dumps(res, indent=2, default=float))

@@ -15,15 +15,21 @@ def bench_paths(cfg: BenchConfig) -> tuple[str, str]:
     return cfg.target or str(zoo_path("tiny-moe")), cfg.drafter or str(zoo_path("tiny-dense"))
 
 
-def bench_prompts(cfg: BenchConfig, tokenizer, n: int) -> list[list[int]]:
+def bench_prompts(cfg: BenchConfig, model, n: int) -> list[list[int]]:
+    """n prompts of `cfg.workload` encoded with the model's tokenizer (ValueError when it has none)."""
     from engine.workloads import encode, workload
 
+    if model.tokenizer is None:
+        raise ValueError(
+            f"{model.path or 'the target'} has no tokenizer.json: the benchmarks encode their text prompts with the "
+            "target's tokenizer; pass target=<a checkpoint folder with tokenizer.json> (the zoo's have one)"
+        )
     ps = workload(cfg.workload, n, cfg.prompts)
     if not ps:
         raise ValueError("the workload produced no prompts")
     while len(ps) < n:
         ps = ps + ps
-    return encode(tokenizer, ps[:n], cfg.prompt_len)
+    return encode(model.tokenizer, ps[:n], cfg.prompt_len)
 
 
 def equal_length(prompts: list[list[int]]) -> list[list[int]]:

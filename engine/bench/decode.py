@@ -10,6 +10,7 @@ import torch
 
 from engine.bench.common import bench_paths, bench_prompts, equal_length, hf_generate
 from engine.bench.configs import BenchConfig
+from engine.cost.verify_curve import cached_verify_curve
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -26,7 +27,7 @@ def bench_decode(cfg: BenchConfig) -> dict:
         hf = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     results = {}
     for bsz in cfg.batch_sizes:
-        prompts = equal_length(bench_prompts(cfg, ours.tokenizer, bsz))
+        prompts = equal_length(bench_prompts(cfg, ours, bsz))
         n = cfg.new_tokens
         eng.generate(prompts, 4)  # warm-up
         if hf is not None:
@@ -50,16 +51,14 @@ def bench_decode(cfg: BenchConfig) -> dict:
         results[f"batch{bsz}"] = row
     # decode step vs the memory-bandwidth bound, and the verification cost curve T(n)/T(1)
     results["step"] = _step_vs_bound(ours, cfg)
-    results["verify_curve"] = verify_cost_curve(ours, [1, 2, 4, 8, 16, 32], cfg.repeats)
+    results["verify_curve"] = cached_verify_curve(ours, [1, 2, 4, 8, 16, 32], cfg.repeats)
     return results
-
-
 
 
 def _step_vs_bound(model, cfg: BenchConfig) -> dict:
     import engine
 
-    prompt = bench_prompts(cfg, model.tokenizer, 1)
+    prompt = bench_prompts(cfg, model, 1)
     routed = engine.Engine(model, instrument=True, timing=False).generate(prompt, 64)[0].rounds[8:]
     mean_u = statistics.mean(r.mean_distinct_experts for r in routed) if model.config.is_moe else 0
     plain = engine.Engine(model, instrument=False, timing=False).generate(prompt, 64)[0].rounds[8:]
@@ -81,42 +80,3 @@ def _step_vs_bound(model, cfg: BenchConfig) -> dict:
         "bound_seconds": bound,
         "bound_ratio": step_s / bound,
     }
-
-
-def verify_cost_curve(model, sizes: list[int], repeats: int = 3) -> list[dict]:
-    """Median seconds of one cached target forward over n new chain tokens, and T(n)/T(1)."""
-    from engine.models.batching import chain_item, pack
-    from engine.models.kv_cache import PagedKVCache
-
-    cfg = model.config
-    kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, 16, model.dtype, model.device)
-    kv.add_sequence(0)
-    kv.reserve(0, 512)
-    ctx = 128
-    slots = kv.slots(0, range(ctx + max(sizes)))
-    gen = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, cfg.vocab_size, (ctx + max(sizes),), generator=gen)
-    with torch.inference_mode():
-        model.forward_batch(pack([chain_item(toks[:ctx], slots[:0], slots[:ctx])], model.device), kv)
-        rows = []
-        for n in sizes:
-            item = chain_item(toks[ctx : ctx + n], slots[:ctx], slots[ctx : ctx + n])
-            batch = pack([item], model.device)
-            times = []
-            for _ in range(max(repeats, 3) * 3):
-                t0 = time.perf_counter()
-                model.forward_batch(batch, kv)
-                times.append(time.perf_counter() - t0)
-            rows.append({"tokens": n, "seconds": statistics.median(times)})
-    kv.release(0)
-    base = rows[0]["seconds"]
-    for r in rows:
-        r["ratio"] = r["seconds"] / base
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------- report
-
-
-
-

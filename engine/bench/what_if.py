@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.cost.roofline import RooflineCost, load_hardware, load_model_spec
+from engine.cost.synthetic_router import distinct_by_prefix
 from engine.cost.utility import expected_distinct_experts, utilities, utility_threshold
 from engine.parallel.placement import layout_stats, place_experts
 from engine.paths import shared_data_dir
@@ -31,12 +32,6 @@ if TYPE_CHECKING:  # engine.bench_cost imports this module
     from engine.bench.configs import CostBenchConfig
 
 EP_REPORT_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-
-
-
-
 
 
 def _routings(spec, kind: str, calibration, max_n: int, samples: int, seed: int) -> list[list[torch.Tensor]]:
@@ -100,18 +95,6 @@ def _imbalance(ep: RooflineCost, single: RooflineCost, routings, ep_prices, sing
     )
 
 
-def distinct_curve(routings, num_experts: int) -> list[float]:
-    """Mean distinct experts per layer touched by the first t tokens, t = 1..T (routings: S x L x [T, r])."""
-    total = None
-    for rt in routings:
-        ids = torch.stack(rt, 1)  # [T, L, r]
-        seen = torch.zeros(ids.shape[0], ids.shape[1], num_experts, dtype=torch.bool)
-        seen.scatter_(2, ids, True)
-        curve = np.logical_or.accumulate(seen.numpy(), axis=0).sum(2).mean(1)  # [T]
-        total = curve if total is None else total + curve
-    return (total / len(routings)).tolist()
-
-
 def what_if(spec_name: str, c: CostBenchConfig) -> dict:
     """Tree-size cost curves, utility thresholds and the EP variant of one model spec."""
     from engine.cost.synthetic_router import ROUTING_FILE, calibrate
@@ -134,7 +117,7 @@ def what_if(spec_name: str, c: CostBenchConfig) -> dict:
             uniform_formula=[
                 expected_distinct_experts(spec.num_experts, spec.top_r, t) for t in range(1, c.max_tree + 1)
             ],
-            **{k: distinct_curve(v, spec.num_experts) for k, v in routings.items()},
+            **{k: distinct_by_prefix(v, spec.num_experts) for k, v in routings.items()},
         ),
     )
     for i, hw_name in enumerate(c.hardware):

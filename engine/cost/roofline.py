@@ -10,6 +10,10 @@ max(bytes / HBM bandwidth, flops / peak), so a decode-sized forward is priced by
 Per transformer layer:
 
     attention  = max((attention weights + KV of context + new tokens) / HBM, projection + score flops / peak)
+                 MLA (kv_lora_rank > 0, DeepSeek-V3): the latent cache (kv_lora_rank + qk_rope_head_dim per
+                 token) and the cheaper of the absorbed form (2H(2r + dr) flops per query-key pair, W_UK / W_UV
+                 applied per query) and the expanded one (kv_b_proj decompresses every context latent, then
+                 2H(dn + dr + dv) per pair): decode and verification take the absorbed form
     router     = max(router weights / HBM, 2 n D E / peak)
     expert     = sum over ACTIVE experts e of max(3 D F bytes / HBM, 6 D F t_e / peak)   (+ shared experts)
     dispatch   = combine = remote (token, rank) pairs x D x activation bytes / link bandwidth + link latency
@@ -32,7 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from engine.cost.utility import expected_distinct_experts
 from engine.parallel.placement import ExpertPlacement, assign_ranks
@@ -76,8 +81,10 @@ class HardwareProfile:
 class ModelSpec:
     """Shape of an MoE target, enough to price a forward. Dense layers come first (DeepSeek-V3: 3).
 
-    `kv_bytes_per_token` (per layer) and `attention_params` (per layer) default to standard GQA values;
-    set them for MLA. `compute_dtype` picks the peak (bf16 or fp8).
+    `kv_bytes_per_token` (per layer) and `attention_params` (per layer) default to standard GQA values, or to
+    MLA's when `kv_lora_rank` > 0 (then `q_lora_rank` (0 = full-rank q), `qk_nope_head_dim`,
+    `qk_rope_head_dim` and `v_head_dim` describe the attention; `head_dim` is unused). `compute_dtype` picks
+    the peak (bf16 or fp8).
     """
 
     name: str
@@ -102,6 +109,11 @@ class ModelSpec:
     attention_params: int | None = None
     weight_format: str = "bf16"
     notes: str = ""
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in ("bf16", "fp8"):
@@ -123,6 +135,8 @@ class ModelSpec:
         """KV-cache bytes per token per layer."""
         if self.kv_bytes_per_token is not None:
             return self.kv_bytes_per_token
+        if self.kv_lora_rank:  # the compressed latent and the shared rope key (engine.models.mla)
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.activation_bytes
         return 2 * self.num_kv_heads * self.head_dim * self.activation_bytes
 
     @property
@@ -130,46 +144,58 @@ class ModelSpec:
         """Attention projection parameters per layer (q, k, v, o)."""
         if self.attention_params is not None:
             return self.attention_params
+        if self.kv_lora_rank:
+            return self._mla_q_params + self._mla_kv_a_params + self._mla_kv_b_params + self._mla_o_params
         q_o = 2 * self.hidden_size * self.num_attention_heads * self.head_dim
         return q_o + 2 * self.hidden_size * self.num_kv_heads * self.head_dim
 
+    # MLA projections: q (q_a + q_b, or q_proj), kv_a_proj_with_mqa, kv_b_proj (W_UK ; W_UV), o_proj
+    @property
+    def _mla_q_params(self) -> int:
+        H, D, qk = self.num_attention_heads, self.hidden_size, self.qk_nope_head_dim + self.qk_rope_head_dim
+        return D * self.q_lora_rank + self.q_lora_rank * H * qk if self.q_lora_rank else D * H * qk
+
+    @property
+    def _mla_kv_a_params(self) -> int:
+        return self.hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @property
+    def _mla_kv_b_params(self) -> int:
+        return self.kv_lora_rank * self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
+    def _mla_o_params(self) -> int:
+        return self.num_attention_heads * self.v_head_dim * self.hidden_size
+
+    def attention_flops(self, n: int, context_len: int) -> float:
+        """Flops of one layer's attention over n new tokens after context_len cached ones (projections
+        and scores). MLA: the cheaper of the absorbed and the expanded form (see the module docstring)."""
+        S, H = context_len + n, self.num_attention_heads
+        if not self.kv_lora_rank:
+            return 2.0 * n * self.attn_params + 4.0 * H * self.head_dim * n * S
+        r, dn, dr, dv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        absorbed = 2.0 * n * self.attn_params + 2.0 * H * (2 * r + dr) * n * S
+        expanded = 2.0 * n * (self.attn_params - self._mla_kv_b_params) + 2.0 * S * self._mla_kv_b_params
+        return min(absorbed, expanded + 2.0 * H * (dn + dr + dv) * n * S)
+
 
 def _load_yaml_dataclass(cls: type, group: str, name_or_path: str | Path) -> Any:
-    """Read conf/<group>/<name>.yaml (or a path) into `cls`, naming missing / unknown / bad fields."""
+    """Read conf/<group>/<name>.yaml (or a path) into `cls` through OmegaConf's structured configs: a missing,
+    unknown or mistyped field is a ValueError naming the file, the field and `cls`."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml") and not path.exists():
         path = CONF_DIR / group / f"{name_or_path}.yaml"
     if not path.is_file():
         available = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         raise ValueError(f"unknown {group} {str(name_or_path)!r}; available: {', '.join(available)}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    raw.setdefault("name", path.stem)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
-    missing = [n for n in required if n not in raw]
-    unknown = [k for k in raw if k not in fields]
-    if missing or unknown:
-        problems = [
-            f"{kind} field(s) {', '.join(names)}"
-            for kind, names in (("missing", missing), ("unknown", unknown))
-            if names
-        ]
-        raise ValueError(f"{path}: {'; '.join(problems)} for {cls.__name__}")
-    values = {}
-    for key, value in raw.items():
-        kind = fields[key].type.__name__ if isinstance(fields[key].type, type) else str(fields[key].type)
-        try:
-            if value is None or kind == "str":
-                values[key] = value
-            elif kind.startswith("int"):
-                values[key] = int(value)
-            else:  # floats: YAML 1.1 reads "3.35e12" as a string, so convert explicitly
-                values[key] = float(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}: field {key!r} = {value!r} is not a number") from err
-        if value is None and "None" not in kind:
-            raise ValueError(f"{path}: field {key!r} must not be null")
-    return cls(**values)
+    try:
+        values = OmegaConf.load(path)  # OmegaConf's YAML reads 3.35e12 as a float (PyYAML would say str)
+        if not isinstance(values, DictConfig):
+            raise ValueError(f"{path}: expected a mapping of {cls.__name__} fields, got a list")
+        values.setdefault("name", path.stem)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except OmegaConfBaseException as err:  # missing / unknown / mistyped field: OmegaConf names it
+        raise ValueError(f"{path}: {err}") from err
 
 
 def load_hardware(name_or_path: str | Path) -> HardwareProfile:
@@ -183,18 +209,29 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
 
 
 def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "hf", weight_bytes: float = 2.0) -> ModelSpec:
-    """ModelSpec of a Hugging Face MoE `config.json` (qwen2_moe, qwen3_moe, mixtral, olmoe)."""
+    """ModelSpec of a Hugging Face MoE `config.json` (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3, glm4_moe,
+    gpt_oss)."""
     heads = config["num_attention_heads"]
     shared_dim = int(config.get("shared_expert_intermediate_size") or 0)
+    num_shared = 1 if shared_dim else 0
+    num_dense = len(config.get("mlp_only_layers") or [])
+    mla: dict[str, int] = {}
+    if config.get("n_routed_experts"):  # DeepSeek-V3-style: n_shared_experts of the routed size, dense first layers
+        num_shared = int(config.get("n_shared_experts", 1) or 0)
+        shared_dim = int(config["moe_intermediate_size"]) if num_shared else 0
+        num_dense = min(int(config.get("first_k_dense_replace", 0) or 0), config["num_hidden_layers"])
+    if config.get("kv_lora_rank"):
+        mla = {k: int(config.get(k) or 0) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                     "qk_rope_head_dim", "v_head_dim")}  # fmt: skip
     return ModelSpec(
         name=name,
         num_layers=config["num_hidden_layers"],
-        num_dense_layers=len(config.get("mlp_only_layers") or []),
+        num_dense_layers=num_dense,
         hidden_size=config["hidden_size"],
         expert_dim=config.get("moe_intermediate_size") or config["intermediate_size"],
-        num_experts=config.get("num_experts") or config["num_local_experts"],
+        num_experts=config.get("num_experts") or config.get("n_routed_experts") or config["num_local_experts"],
         top_r=config["num_experts_per_tok"],
-        num_shared_experts=1 if shared_dim else 0,
+        num_shared_experts=num_shared,
         shared_expert_dim=shared_dim,
         dense_ffn_dim=config.get("intermediate_size", 0),
         num_attention_heads=heads,
@@ -204,6 +241,7 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "hf", weigh
         expert_weight_bytes=weight_bytes,
         dense_weight_bytes=weight_bytes,
         activation_bytes=weight_bytes,
+        **mla,
     )
 
 
@@ -225,8 +263,6 @@ class CostBreakdown:
 
     def as_dict(self) -> dict[str, float]:
         return {**{p: getattr(self, p) for p in PHASES}, "total": self.total}
-
-
 
 
 class RooflineCost:
@@ -280,8 +316,7 @@ class RooflineCost:
     def _attention_time(self, n: int, context_len: int) -> float:
         s = self.spec
         nbytes = s.attn_params * s.dense_weight_bytes + (context_len + n) * s.kv_bytes
-        flops = 2.0 * n * s.attn_params + 4.0 * s.num_attention_heads * s.head_dim * n * (context_len + n)
-        return self._roof(nbytes, flops)
+        return self._roof(nbytes, s.attention_flops(n, context_len))
 
     def _router_time(self, n: int) -> float:
         s = self.spec
@@ -399,14 +434,3 @@ class RooflineCost:
         expert = self._experts_time(per_expert, count=active)  # shared experts are already in `base`
         per_layer = tuple(t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer))
         return dataclasses.replace(base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert, per_layer=per_layer)
-
-
-# ---------------------------------------------------------------------- fitted model
-
-
-
-
-
-
-
-

@@ -399,21 +399,28 @@ class DistinctCurve:
     uniform: tuple[float, ...]  # M·[1 − (1 − r/M)^t]
 
 
+def distinct_by_prefix(routings: Sequence[Sequence[torch.Tensor]], num_experts: int) -> list[float]:
+    """Mean distinct experts per layer touched by the first t tokens, t = 1..T, averaged over routings.
+
+    routings: S routings, each L x expert_ids [T, r] (one chain of T tokens) -> [T] floats."""
+    total = np.zeros(0)
+    for rt in routings:
+        ids = torch.stack(list(rt), 1)  # [T, L, r]
+        seen = torch.zeros(ids.shape[0], ids.shape[1], num_experts, dtype=torch.bool)
+        seen.scatter_(2, ids, True)
+        curve = np.logical_or.accumulate(seen.numpy(), axis=0).sum(2).mean(1)  # [T] touched by tokens <= t
+        total = curve if not total.size else total + curve
+    return (total / len(routings)).tolist()
+
+
 def distinct_experts_curve(router: SyntheticRouter, max_tokens: int, num_sequences: int = 4) -> DistinctCurve:
     """Footprint growth of routed sequences vs independent uniform routing."""
-    E = router.num_experts
-    total = torch.zeros(max_tokens, dtype=torch.float64)
-    for _ in range(num_sequences):
-        ids = torch.stack(router.route_sequence(max_tokens), 1)  # [T, L, r]
-        seen = torch.zeros(max_tokens, router.num_layers, E, dtype=torch.bool)
-        seen.scatter_(2, ids, True)
-        seen = np.logical_or.accumulate(seen.numpy(), axis=0)  # [T, L, E] touched by tokens <= t
-        total += torch.from_numpy(seen.sum(2).mean(1))
+    routings = [router.route_sequence(max_tokens) for _ in range(num_sequences)]
     tokens = tuple(range(1, max_tokens + 1))
     return DistinctCurve(
         tokens=tokens,
-        synthetic=tuple((total / num_sequences).tolist()),
-        uniform=tuple(expected_distinct_experts(E, router.top_r, t) for t in tokens),
+        synthetic=tuple(distinct_by_prefix(routings, router.num_experts)),
+        uniform=tuple(expected_distinct_experts(router.num_experts, router.top_r, t) for t in tokens),
     )
 
 

@@ -30,7 +30,7 @@ def cached_verify_curve(model: Model, sizes: list[int], repeats: int = 3, contex
     cfg = model.config
     total = context + max(sizes)
     bs = 16
-    kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-total // bs), bs, model.dtype, model.device)
+    kv = PagedKVCache.for_model(cfg, -(-total // bs), bs, model.dtype, model.device)
     kv.add_sequence(0)
     kv.reserve(0, total)
     slots = kv.slots(0, range(total))

@@ -45,31 +45,14 @@ import torch
 from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import annotate_tree, select_verified
 from engine.drafting.tree_growth import TreeGrowth, drafts_iid
-from engine.models.batching import PackItem, chain_item, pack
+from engine.models.batching import PackItem, chain_item, expansion_item, pack
 from engine.models.expert_predictor import ExpertPredictor
 from engine.models.feature_heads import FeatureHead, MTPHead
 from engine.models.kv_cache import PagedKVCache
 from engine.models.transformer import Model
 from engine.spec.config import MAX_DEPTH, SpecConfig
-from engine.spec.draft_tree import DraftTree, ancestor_mask
+from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
-
-# ---------------------------------------------------------------------------------------------- config
-
-
-# ---------------------------------------------------------------------------------------------- heads
-
-
-
-
-# ---------------------------------------------------------------------------------------------- save / load
-
-
-
-
-
-
-
 
 # ---------------------------------------------------------------------------------------------- drafter
 
@@ -117,7 +100,6 @@ class EagleDrafter:
                 f"{head.feature_space!r} features"
             )
         self.head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.head.drop_inference_cache()
         self.target = target
         self.predictor = None if predictor is None else predictor.to(target.device).eval().requires_grad_(False)
         self.block_size = block_size
@@ -224,23 +206,9 @@ class EagleDrafter:
         """PackItem running tree `nodes`: each sees the committed head slots and its fed ancestors."""
         seq = self.seqs[r.seq_id]
         g = r.growth
-        ctx = self.kv.slots(r.seq_id, range(seq.cached))  # [c] committed head slots
-        c = ctx.shape[0]
-        write = self.kv.scratch_slots(r.seq_id, len(nodes))
-        for i, s in zip(nodes, write.tolist()):
-            seq.fed_slots[i] = s
-        fed = sorted(seq.fed_slots)
-        read = torch.cat([ctx, torch.tensor([seq.fed_slots[i] for i in fed], dtype=torch.long)])
-        mask = torch.zeros(len(nodes), read.shape[0], dtype=torch.bool)
-        mask[:, :c] = True
-        mask[:, c:] = ancestor_mask(torch.tensor(g.par))[torch.tensor(nodes)][:, torch.tensor(fed)]
-        return PackItem(
-            tokens=torch.tensor([g.tok[i] for i in nodes]),
-            positions=torch.tensor([c - 1 + g.dep[i] for i in nodes]),  # depth d -> head position n-2+d
-            write_slots=write,
-            read_slots=read,
-            mask=mask,
-        )
+        ctx = self.kv.slots(r.seq_id, range(seq.cached))  # [c] committed head slots: depth d -> position n-2+d
+        seq.fed_slots.update(zip(nodes, self.kv.scratch_slots(r.seq_id, len(nodes)).tolist()))
+        return expansion_item(nodes, g.tok, g.par, g.dep, ctx, seq.fed_slots)
 
     def _expand(self, work: list[tuple[_Round, list[int]]]) -> list[torch.Tensor]:
         """One packed head forward over several trees' `nodes` (inputs: parents' features + own tokens);
@@ -314,8 +282,6 @@ class EagleDrafter:
             self._expand(work)
         for t, r in wanted.items():
             annotate_tree(trees[t], torch.stack([r.feature[i] for i in range(len(r.growth.tok))]), self.predictor)
-
-
 
 
 class MTPDrafter(EagleDrafter):

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES
-from engine.drafting.selection import select_by_probability, select_expert_aware
+from engine.drafting.selection import annotate_tree, select_verified
 from engine.drafting.tree_growth import TreeGrowth, drafts_iid
-from engine.models.batching import PackItem, chain_item, pack
+from engine.models.batching import PackItem, chain_item, expansion_item, pack
 from engine.models.kv_cache import PagedKVCache
 from engine.models.transformer import Model
 from engine.spec.config import SpecConfig
-from engine.spec.draft_tree import DraftTree, ancestor_mask
+from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 
 
@@ -68,7 +68,7 @@ class ModelDrafter:
                 raise ValueError(
                     f"the expert predictor reads {predictor.config.input!r} features of size "
                     f"{predictor.config.in_features}; this drafter needs one trained on its own hidden states "
-                    f"(input 'dense', size {model.config.hidden_size}): python -m engine.train_heads "
+                    f"(input 'dense', size {model.config.hidden_size}): python -m engine.zoo.train_heads "
                     "predictor.dense_drafter=<drafter folder>"
                 )
             predictor = predictor.eval().requires_grad_(False)
@@ -79,9 +79,7 @@ class ModelDrafter:
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         cfg, m = self.model.config, self.model
-        return PagedKVCache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, self.block_size, m.dtype, m.device
-        )
+        return PagedKVCache.for_model(cfg, num_blocks, self.block_size, m.dtype, m.device)
 
     @property
     def predicts_experts(self) -> bool:
@@ -112,9 +110,6 @@ class ModelDrafter:
         """-> logits [N, V] float32, final hidden states [N, D] of the packed tokens."""
         out = self.model.forward_batch(pack(items, self.model.device), self.kv)
         return out.logits.float(), out.hidden
-
-    def _logits(self, items: list[PackItem]) -> torch.Tensor:
-        return self._forward(items)[0]
 
     @torch.inference_mode()
     def draft(
@@ -152,7 +147,12 @@ class ModelDrafter:
         ]
         states = [
             TreeGrowth(
-                tokens[-1], logits[int(e)], replace(spec, max_verify=None) if a else spec, params, generator, len(tokens)
+                tokens[-1],
+                logits[int(e)],
+                replace(spec, max_verify=None) if a else spec,
+                params,
+                generator,
+                len(tokens),
             )
             for (_, tokens, spec, params, generator), e, a in zip(requests, ends, aware)
         ]
@@ -190,17 +190,11 @@ class ModelDrafter:
                     off += len(todo)
         trees = []
         for (seq_id, _, spec, _, _), st, a, f in zip(requests, states, aware, feats):
-            tree = st.tree(self.model.vocab_size)
-            keep = None
+            grown = st.tree(self.model.vocab_size)
             if a:
-                from engine.drafting.selection import annotate_tree
-
-                annotate_tree(tree, torch.stack([f[n] for n in range(tree.num_nodes)]), self.predictor)
-                keep = select_expert_aware(tree, spec.max_verify or tree.num_nodes - 1, spec.lam, spec.score)
-            elif spec.max_verify is not None and not st.drafted:
-                keep = select_by_probability(tree, spec.max_verify)
-            if keep is not None and keep.numel() < tree.num_nodes:
-                tree = tree.subtree(keep)
+                annotate_tree(grown, torch.stack([f[n] for n in range(grown.num_nodes)]), self.predictor)
+            tree = select_verified(grown, spec, st.drafted)
+            if tree is not grown:
                 self.seqs[seq_id].fed_slots = {}  # indices changed: nothing to reuse
             trees.append(tree)
         seconds = time.perf_counter() - t0
@@ -209,24 +203,11 @@ class ModelDrafter:
         return trees
 
     def _expand_item(self, seq_id, ctx_slots, tok, par, dep, nodes: list[int]) -> PackItem:
-        """PackItem running `nodes` (a new frontier) over the committed context and their fed ancestors."""
+        """PackItem running `nodes` (a new frontier) over the committed context (root included) and their
+        fed ancestors, written to fresh scratch slots."""
         seq = self.seqs[seq_id]
-        write = self.kv.scratch_slots(seq_id, len(nodes))
-        for i, s in zip(nodes, write.tolist()):
-            seq.fed_slots[i] = s
-        anc = ancestor_mask(torch.tensor(par))  # the root is committed (in ctx_slots), not a column here
-        tree_nodes = sorted(seq.fed_slots)  # every fed node this round
-        read = torch.cat([ctx_slots, torch.tensor([seq.fed_slots[i] for i in tree_nodes], dtype=torch.long)])
-        mask = torch.zeros(len(nodes), read.shape[0], dtype=torch.bool)
-        mask[:, : ctx_slots.shape[0]] = True
-        mask[:, ctx_slots.shape[0] :] = anc[torch.tensor(nodes)][:, torch.tensor(tree_nodes)]
-        return PackItem(
-            tokens=torch.tensor([tok[i] for i in nodes]),
-            positions=torch.tensor([ctx_slots.shape[0] - 1 + dep[i] for i in nodes]),
-            write_slots=write,
-            read_slots=read,
-            mask=mask,
-        )
+        seq.fed_slots.update(zip(nodes, self.kv.scratch_slots(seq_id, len(nodes)).tolist()))
+        return expansion_item(nodes, tok, par, dep, ctx_slots, seq.fed_slots)
 
     def commit(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.transformer import ForwardBatch
+from engine.spec.draft_tree import ancestor_mask
 
 
 @dataclass
@@ -44,14 +45,41 @@ def tree_item(
     write_slots: torch.Tensor,
 ) -> PackItem:
     """Tree nodes (node 0 = root at position c) after `ctx_slots` [c]; each node sees its ancestors."""
-    from engine.spec.draft_tree import ancestor_mask
-
     n, c = tokens.shape[0], ctx_slots.shape[0]
     mask = None
     if n > 1:
         mask = torch.ones(n, c + n, dtype=torch.bool)
         mask[:, c:] = ancestor_mask(parents)
     return PackItem(tokens, c + depths, write_slots, torch.cat([ctx_slots, write_slots]), mask)
+
+
+def expansion_item(
+    nodes: list[int],
+    tokens: list[int],
+    parents: list[int],
+    depths: list[int],
+    ctx_slots: torch.Tensor,
+    fed_slots: dict[int, int],
+) -> PackItem:
+    """One depth of a draft tree being grown by a drafter: `nodes` (the new frontier) over `ctx_slots` [c] of
+    committed context, the last of which holds the root (position c - 1, node depth d -> position c - 1 + d).
+
+    tokens / parents / depths: the tree so far (node 0 = root, committed, not a column here); fed_slots:
+    node -> scratch slot of every node fed this round, `nodes` included (their write slots). Each node
+    sees the whole context and its fed ancestors (and itself)."""
+    fed = sorted(fed_slots)
+    read = torch.cat([ctx_slots, torch.tensor([fed_slots[i] for i in fed], dtype=torch.long)])  # [c + f]
+    c = ctx_slots.shape[0]
+    mask = torch.zeros(len(nodes), read.shape[0], dtype=torch.bool)
+    mask[:, :c] = True
+    mask[:, c:] = ancestor_mask(torch.tensor(parents))[torch.tensor(nodes)][:, torch.tensor(fed)]
+    return PackItem(
+        tokens=torch.tensor([tokens[i] for i in nodes]),
+        positions=torch.tensor([c - 1 + depths[i] for i in nodes]),
+        write_slots=torch.tensor([fed_slots[i] for i in nodes], dtype=torch.long),
+        read_slots=read,
+        mask=mask,
+    )
 
 
 def pack(items: list[PackItem], device: torch.device) -> ForwardBatch:

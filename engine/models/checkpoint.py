@@ -41,8 +41,22 @@ _PROJ_ROLE = {
 }
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_UNGATED_SHARED = ("deepseek_v3", "glm4_moe")  # hub `mlp.shared_experts.*` <-> our `mlp.shared_expert.*`
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder whose weights do not match its config."""
+
+
+def split_extra_layers(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(decoder weights, weights of layers >= num_hidden_layers): DeepSeek-V3 / GLM-4.5 store their MTP
+    modules as extra `model.layers.{L + k}` (engine.models.mtp loads them as a drafter)."""
+    main, extra = {}, {}
+    for key, t in raw.items():
+        m = _LAYER.match(key)
+        (extra if m and int(m.group(1)) >= cfg.num_layers else main)[key] = t
+    return main, extra
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -79,6 +93,8 @@ def _to_internal(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, to
             experts.setdefault((layer, _PROJ_ROLE[proj]), {})[e] = t
             continue
         key = key.replace(".block_sparse_moe.", ".mlp.")
+        if cfg.model_type in _UNGATED_SHARED:
+            key = key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
         out[key] = t
     for (layer, role), per_expert in experts.items():
         want = set(range(cfg.num_experts))
@@ -104,15 +120,30 @@ def _to_internal(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, to
     return out
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}  # fmt: skip
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch floating dtype, or its name ("bfloat16", "bf16", "torch.float16", ...)."""
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype must be a torch floating dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
 def load_model(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32
 ) -> Model:
-    """Load an HF checkpoint folder into an `engine.Model` (eval mode, no grad)."""
+    """Load an HF checkpoint folder into an `engine.Model` (eval mode, no grad). dtype: a torch dtype or its
+    name ("float32", "bfloat16", "bf16", ...)."""
+    dtype = resolve_dtype(dtype)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
     cfg = load_config(path)
-    state = _to_internal(cfg, _read_safetensors(path))
+    state = _to_internal(cfg, split_extra_layers(cfg, _read_safetensors(path))[0])
     with torch.device("meta"):
         model = Model(cfg)
     expected = dict(model.state_dict())
@@ -195,6 +226,8 @@ def hub_state_dict(model: Model, dtype: torch.dtype | None = None) -> dict[str, 
             continue
         if mixtral:
             key = key.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        if cfg.model_type in _UNGATED_SHARED:
+            key = key.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
         out[key] = t.contiguous()
     return out
 

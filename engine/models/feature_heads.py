@@ -132,10 +132,6 @@ class FeatureHead(nn.Module):
         sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # the cached path's RoPE (apply_rope_signed)
         return self._block(x, lambda y: self.layer.self_attn.forward_cached(y, cos, sin_signed, batch, kv, 0))
 
-    def drop_inference_cache(self) -> None:
-        """Forget the fused qkv weights `Attention` builds under no_grad (call after a weight update)."""
-        self.layer.self_attn.__dict__.pop("_qkv", None)
-
 
 class EagleHead(FeatureHead):
     """EAGLE (2401.15077 §4.1): fc([f_t ; emb(x_{t+1})]) -> decoder layer -> f^_{t+1}; logits = lm_head(f^)."""
@@ -203,7 +199,7 @@ def load_head(path: str | os.PathLike, target: Model, cls: type[FeatureHead]) ->
     if trained_on is not None and target.path is not None and trained_on != target_digest(target):
         raise ValueError(
             f"{path} was trained on another target checkpoint (weights {trained_on}, {target.path} has "
-            f"{target_digest(target)}): retrain the heads with `python -m engine.train_heads`"
+            f"{target_digest(target)}): retrain the heads with `python -m engine.zoo.train_heads`"
         )
     head = cls(cfg)
     state = load_file(str(path / "model.safetensors"))

@@ -1,6 +1,7 @@
 """Paged KV cache: fixed-size blocks, a free list, per-sequence block tables, scratch slots for trees.
 
     storage  k[layer] : [num_blocks * block_size, Hkv, hd]      slot = block * block_size + offset
+             v[layer] : [num_blocks * block_size, Hkv, hd_v]    (hd_v = 0 for MLA: k holds the latent)
     sequence          : block table [b0, b7, b3, ...]  -> position p lives in slot table[p // bs] * bs + p % bs
 
     committed positions 0 .. n-1   (verified tokens only)
@@ -24,10 +25,9 @@ class KVCacheFull(RuntimeError):
 
 @dataclass
 class SequenceBlocks:
-    """Block table and committed length of one sequence."""
+    """Block table of one sequence (its committed length is the caller's: positions are reserved on demand)."""
 
     blocks: list[int] = field(default_factory=list)
-    length: int = 0  # committed positions whose K/V are in the cache
 
 
 class PagedKVCache:
@@ -42,16 +42,31 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        self.v = torch.zeros(shape[:-1] + (v_dim,), dtype=dtype, device=device)
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.seqs: dict[int, SequenceBlocks] = {}
         self.scratch: dict[int, list[int]] = {}
+
+    @classmethod
+    def for_model(cls, cfg, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> PagedKVCache:  # fmt: skip
+        """A cache shaped by a `ModelConfig`'s `kv_cache_layout` (MLA: one compressed latent per token)."""
+        heads, k_dim, v_dim = cfg.kv_cache_layout
+        return cls(cfg.num_layers, heads, k_dim, num_blocks, block_size, dtype, device, v_head_dim=v_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies over all layers (K and V)."""
+        L, _, H, dk = self.k.shape
+        return L * H * (dk + self.v.shape[-1]) * self.k.element_size()
 
     # ------------------------------------------------------------------ allocation
     @property

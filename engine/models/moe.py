@@ -2,12 +2,18 @@
 
     x [T, D] --gate--> router_logits [T, E] --softmax(fp32)--> top-r (renormalise iff norm_topk_prob)
              --kernels.fused_moe--> permute by expert, SiLU-gated GEMM per active expert, weighted unpermute
-             (+ sigmoid(shared_expert_gate(x)) * shared_expert(x) for qwen2_moe)
+             (+ sigmoid(shared_expert_gate(x)) * shared_expert(x) for qwen2_moe; ungated for deepseek_v3)
+
+router="sigmoid" replaces softmax -> top-r with DeepSeek-V3's sigmoid, correction-biased, group-limited
+choice (engine.models.routing; the bias is the buffer `gate.e_score_correction_bias`).
 
 Shape letters: T=tokens D=hidden E=experts r=top-r F=expert dim.
 Every call can append its routing to a `RoutingRecord` for the instrumentation (footprint, reuse,
-rank loads). An approximate expert budget (MoE-Spec, 2602.16052) keeps only the top-B experts by
-summed router probability over the verified tokens and re-picks each token's top-r inside them.
+rank loads). An expert budget B (MoE-Spec, 2602.16052; `Engine(expert_budget=B)`, verification forwards
+of more than one token only) keeps the B experts with most router probability summed over the forward's
+tokens and re-picks each token's top-r inside them. It is APPROXIMATE: a token whose own top-r leaves
+the kept set is computed with other experts than the target would use, so outputs are no longer the
+target's (B = E changes nothing); it caps the distinct experts per layer at B.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.models.routing import sigmoid_group_topk
 from engine.timing import PhaseTimer, maybe_phase
 
 # hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r], topk_weights [T, r] -> [T, D]
@@ -86,38 +93,58 @@ class MoEBlock(nn.Module):
         moe_inter: int,
         norm_topk_prob: bool,
         shared_inter: int = 0,
+        router: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_gated: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_r, self.norm_topk_prob = num_experts, top_r, norm_topk_prob
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
+        self.router, self.n_group, self.topk_group = router, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
         self.gate = nn.Linear(hidden, num_experts, bias=False)
+        if router == "sigmoid":
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts))  # [E]
         self.experts = Experts(num_experts, hidden, moe_inter)
         self.shared_expert = DenseMLP(hidden, shared_inter) if shared_inter > 0 else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter > 0 else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter > 0 and shared_gated else None
         self.backend = "auto"  # "auto" | "torch" | "triton"
         self.expert_fn: ExpertFn | None = None  # set by expert parallelism / offload to replace local compute
-        self.expert_budget: int | None = None  # MoE-Spec approximate mode; None = exact
 
     def _fused_input(self) -> torch.Tensor:
         """[E + 2Fs + 1, D]: router, shared gate/up and shared-expert gate rows for one matmul."""
         parts = [self.gate.weight]
         if self.shared_expert is not None:
             se = self.shared_expert
-            parts += [se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight]
+            parts += [se.gate_proj.weight, se.up_proj.weight]
+            if self.shared_expert_gate is not None:
+                parts.append(self.shared_expert_gate.weight)
         return fused_weight(self, "_fused", parts)
 
     def route(
-        self, x: torch.Tensor, router_logits: torch.Tensor | None = None
+        self, x: torch.Tensor, router_logits: torch.Tensor | None = None, expert_budget: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> router_logits [T, E], topk_weights [T, r] (x.dtype), expert_ids [T, r] int64."""
+        """x [T, D] -> router_logits [T, E], topk_weights [T, r] (x.dtype), expert_ids [T, r] int64.
+
+        expert_budget B (approximate, MoE-Spec 2602.16052; applied when T > 1 and r <= B < E): only the B
+        experts of largest router probability summed over the T tokens may be picked."""
         if router_logits is None:
             router_logits = self.gate(x)
-        router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        if self.expert_budget is not None and self.expert_budget < self.num_experts:
-            # MoE-Spec: keep the B experts with most router mass over all verified tokens.
-            keep = router_probs.sum(0).topk(self.expert_budget).indices
-            masked = torch.zeros_like(router_probs)
-            masked[:, keep] = router_probs[:, keep]
-            router_probs = masked
+        if self.router == "sigmoid":
+            budget = expert_budget if x.shape[0] > 1 else None
+            topk_weights, expert_ids = sigmoid_group_topk(
+                router_logits, self.gate.e_score_correction_bias, self.top_r, self.n_group, self.topk_group,
+                self.norm_topk_prob, self.routed_scaling_factor, budget,
+            )  # fmt: skip
+            return router_logits, topk_weights.to(x.dtype), expert_ids
+        router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+        if expert_budget is not None and self.top_r <= expert_budget < self.num_experts and x.shape[0] > 1:
+            keep = router_probs.sum(0).topk(expert_budget).indices  # [B]
+            dropped = torch.ones(self.num_experts, dtype=torch.bool, device=x.device).index_fill_(0, keep, False)
+            router_probs = router_probs.masked_fill(dropped, -1.0)  # every kept prob (>= 0) outranks a dropped one
         topk_weights, expert_ids = torch.topk(router_probs, self.top_r, dim=-1)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
@@ -129,17 +156,18 @@ class MoEBlock(nn.Module):
         record: RoutingRecord | None = None,
         layer: int = -1,
         timer: PhaseTimer | None = None,
+        expert_budget: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (out [T, D], router_logits [T, E])."""
+        """x [T, D] -> (out [T, D], router_logits [T, E]). expert_budget: see `route` (approximate)."""
         shared_in = None
         with maybe_phase(timer, "router"):
             if torch.is_grad_enabled():
-                router_logits, topk_weights, expert_ids = self.route(x)
+                router_logits, topk_weights, expert_ids = self.route(x, None, expert_budget)
             else:  # inference: router and shared-expert input projections in one matmul
                 proj = F.linear(x, self._fused_input())
                 E = self.num_experts
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
-                router_logits, topk_weights, expert_ids = self.route(x, router_logits)
+                router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
         with maybe_phase(timer, "experts"):
             fn = self.expert_fn or partial(expert_compute, backend=self.backend)
             out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
@@ -147,9 +175,13 @@ class MoEBlock(nn.Module):
             if self.shared_expert is not None and shared_in is not None:
                 Fs = self.shared_expert.gate_proj.weight.shape[0]
                 act = F.silu(shared_in[:, :Fs]) * shared_in[:, Fs : 2 * Fs]
-                out = out + torch.sigmoid(shared_in[:, 2 * Fs :]) * F.linear(act, self.shared_expert.down_proj.weight)
+                shared = F.linear(act, self.shared_expert.down_proj.weight)
+                if self.shared_expert_gate is not None:
+                    shared = torch.sigmoid(shared_in[:, 2 * Fs :]) * shared
+                out = out + shared
             elif self.shared_expert is not None:
-                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+                gate = 1.0 if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
+                out = out + gate * self.shared_expert(x)
         if record is not None:
             record.layers.append(layer)
             record.expert_ids.append(expert_ids.detach())
@@ -157,6 +189,24 @@ class MoEBlock(nn.Module):
             if record.keep_logits:
                 record.router_logits.append(router_logits.detach())
         return out, router_logits
+
+
+def check_expert_budget(expert_budget: int | None, num_experts: int, top_r: int) -> int | None:
+    """Validate an `Engine(expert_budget=B)`: None (exact) or an int with top_r <= B <= num_experts."""
+    if expert_budget is None:
+        return None
+    if num_experts == 0:
+        raise ValueError("expert_budget needs an MoE target (this one has no routed experts)")
+    if (
+        isinstance(expert_budget, bool)
+        or not isinstance(expert_budget, int)
+        or not top_r <= expert_budget <= num_experts
+    ):
+        raise ValueError(
+            f"expert_budget must be None or an int in [top_r, num_experts] = [{top_r}, {num_experts}], "
+            f"got {expert_budget!r}"
+        )
+    return expert_budget
 
 
 def expert_compute(

@@ -2,7 +2,10 @@
 
 One implementation with feature switches from `ModelConfig`: RoPE, GQA, qkv bias, qk-norm (per head
 for qwen3*, over the whole projection for olmoe), tied embeddings, dense or MoE MLP per layer
-(`decoder_sparse_step` / `mlp_only_layers`), shared expert with sigmoid gate (qwen2_moe).
+(`decoder_sparse_step` / `mlp_only_layers`), shared expert with sigmoid gate (qwen2_moe). DeepSeek-V3-style
+families add multi-head latent attention (`engine.models.mla`), the sigmoid group-limited router
+(`engine.models.routing`), ungated shared experts, dense first layers, and partial / YaRN RoPE
+(`engine.models.rope`).
 
 Module names mirror transformers 5 (`model.layers.{i}.self_attn.q_proj`, `mlp.experts.gate_up_proj`,
 ...) so checkpoints map with a handful of renames (see `engine/checkpoint.py`).
@@ -25,23 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.layers import RMSNorm, apply_rope, apply_rope_signed, sign_sin
+from engine.models.mla import MLAttention
 from engine.models.moe import DenseMLP, MoEBlock, RoutingRecord, fused_weight, load_balancing_loss
+from engine.models.rope import rope_table
 from engine.timing import PhaseTimer, maybe_phase
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -50,19 +41,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     freqs = positions.float()[..., None] * inv_freq  # [..., hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Inference RoPE: rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin] exactly (negation is exact),
-    two ops fewer. x [..., heads, hd]; cos, sin_signed [..., hd]."""
-    return x * cos.unsqueeze(-2) + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed.unsqueeze(-2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, hd]; cos/sin [..., hd] broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 @dataclass
@@ -204,7 +182,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         if cfg.is_moe_layer(layer):
             self.mlp: nn.Module = MoEBlock(
                 cfg.hidden_size,
@@ -213,16 +191,21 @@ class DecoderLayer(nn.Module):
                 cfg.moe_intermediate_size,
                 cfg.norm_topk_prob,
                 cfg.shared_expert_intermediate_size,
+                router=cfg.router,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                shared_gated=cfg.shared_expert_gated,
             )
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def mlp_forward(self, h: torch.Tensor, record, router_logits: list | None, timer):
+    def mlp_forward(self, h: torch.Tensor, record, router_logits: list | None, timer, expert_budget=None):
         """h [N, D] -> [N, D]."""
         if isinstance(self.mlp, MoEBlock):
-            out, logits = self.mlp.forward(h, record=record, layer=self.layer, timer=timer)
+            out, logits = self.mlp.forward(h, record=record, layer=self.layer, timer=timer, expert_budget=expert_budget)
             if router_logits is not None:
                 router_logits.append(logits)
             return out
@@ -282,7 +265,7 @@ class Model(nn.Module):
         B, T = input_ids.shape
         h = self.model.embed_tokens(input_ids)
         pos = torch.arange(T, device=input_ids.device)
-        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)
+        cos, sin = rope_table(cfg, pos, h.dtype)
         router_logits: list[torch.Tensor] | None = [] if return_aux else None
         for layer in self.model.layers:
             h = h + layer.self_attn.forward_plain(layer.input_layernorm(h), cos, sin)
@@ -304,14 +287,13 @@ class Model(nn.Module):
         return self.forward(input_ids.to(self.device)).float()
 
     def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sign-folded sin [max_position_embeddings, hd] (see apply_rope_signed), once per dtype."""
+        """cos, sign-folded sin [max_position_embeddings, rd] (see apply_rope_signed), once per dtype."""
         table = self.__dict__.get("_rope")
         if table is None or table[0].dtype != dtype or table[0].device != self.device:
             cfg = self.config
             pos = torch.arange(cfg.max_position_embeddings, device=self.device)
-            cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
-            half = cfg.head_dim // 2
-            table = self.__dict__["_rope"] = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+            cos, sin = rope_table(cfg, pos, dtype)
+            table = self.__dict__["_rope"] = (cos, sign_sin(sin))
         return table
 
     # ------------------------------------------------------------------ cached forward
@@ -322,8 +304,11 @@ class Model(nn.Module):
         record_routing: bool = False,
         timer: PhaseTimer | None = None,
         keep_router_logits: bool = False,
+        expert_budget: int | None = None,
     ) -> ForwardOutput:
-        """Packed forward over the paged KV cache (see `ForwardBatch`). Returns logits for every token."""
+        """Packed forward over the paged KV cache (see `ForwardBatch`). Returns logits for every token.
+
+        expert_budget: MoE-Spec's approximate cap on distinct experts per layer (`MoEBlock.route`)."""
         record = RoutingRecord(keep_logits=keep_router_logits) if record_routing else None
         with maybe_phase(timer, "embed"):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]
@@ -334,7 +319,7 @@ class Model(nn.Module):
                 x = layer.input_layernorm.forward(h)
                 h = h + layer.self_attn.forward_cached(x, cos, sin, batch, kv, i)
                 x = layer.post_attention_layernorm.forward(h)
-            h = h + layer.mlp_forward(x, record, None, timer)
+            h = h + layer.mlp_forward(x, record, None, timer, expert_budget)
         with maybe_phase(timer, "lm_head"):
             hidden = self.model.norm.forward(h)
             logits = F.linear(hidden, self.lm_head.weight)

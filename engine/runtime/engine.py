@@ -28,6 +28,7 @@ from engine.drafting.make import make_drafter
 from engine.drafting.protocol import MAX_TREE_NODES, Drafter
 from engine.models.batching import chain_item, pack, tree_item
 from engine.models.kv_cache import PagedKVCache
+from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
 from engine.runtime.footprint import round_footprint
 from engine.runtime.frozen import load_frozen_policy
@@ -79,7 +80,8 @@ class Engine:
     virtual_ep (an `engine.placement.ExpertPlacement`: per-rank loads of a virtual EP layout every round),
     ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round),
     offload (an installed `engine.offload.ExpertOffload`: its `OffloadStats` of every step, prefill
-    included in the first, is attached to the step's RoundStats as `offload`).
+    included in the first, is attached to the step's RoundStats as `offload`), expert_budget (verify with
+    at most B experts per MoE layer, MoE-Spec 2602.16052: APPROXIMATE, see engine.models.moe).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Engine:
         offload: Any = None,
         round_cost: RoundCost | None = None,
         calibration: Callable[[float, int], float] | None = None,
+        expert_budget: int | None = None,
         **drafter_options: Any,
     ) -> None:
         if not isinstance(target, Model):
@@ -127,6 +130,7 @@ class Engine:
         self.offload = offload
         self.round_cost = round_cost  # fills RoundStats.cost / cost_ar (None: measured seconds, no T_AR)
         self.calibration = calibration  # draft confidence -> P(accepted), for the observation
+        self.expert_budget = check_expert_budget(expert_budget, target.config.num_experts, target.config.top_r)
         self.default_sampling = GREEDY
         self.scratch_tokens = MAX_TREE_NODES + 1  # a draft tree's root + nodes live in scratch slots
         self._session: Session | None = None
@@ -141,13 +145,19 @@ class Engine:
         eos_token_id: int | None,
     ) -> list[SamplingParams]:
         V = self.target.vocab_size
-        if not isinstance(prompts, (list, tuple)) or (not prompts and self.ep is None):
-            raise ValueError("prompts must be a non-empty list of token-id lists")
+        hint = {str: "a str: tokenize it first, e.g. [tokenizer.encode(text).ids]", torch.Tensor: "a tensor: pass "
+                "tensor.tolist() ([tensor.tolist()] for one 1-D prompt)"}.get(type(prompts))  # fmt: skip
+        if hint is None and isinstance(prompts, (list, tuple)) and any(isinstance(t, int) for t in prompts):
+            hint = "a flat list of ints: one prompt is [[t0, t1, ...]]"
+        if hint is not None or not isinstance(prompts, (list, tuple)) or (not prompts and self.ep is None):
+            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {hint or repr(prompts)[:80]}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         limit = self.target.config.max_position_embeddings
         for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)) or len(p) == 0:
+            if not isinstance(p, (list, tuple)):
+                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__} (tensor: .tolist())")
+            if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 raise ValueError(f"prompt {i} must be a list of ints")
@@ -161,12 +171,16 @@ class Engine:
                 )
         if isinstance(sampling, SamplingParams):
             params = [sampling] * len(prompts)
+        elif isinstance(sampling, dict) or not isinstance(sampling, (list, tuple)):
+            raise TypeError(f"sampling must be an engine.SamplingParams (or a list, one per prompt), got a "
+                            f"{type(sampling).__name__}: e.g. engine.SamplingParams(**{sampling!r:.60})")  # fmt: skip
         else:
             params = list(sampling)
-            if len(params) != len(prompts) or not all(isinstance(s, SamplingParams) for s in params):
+            bad = [type(s).__name__ for s in params if not isinstance(s, SamplingParams)]
+            if len(params) != len(prompts) or bad:
                 raise ValueError(
                     f"sampling must be one SamplingParams or a list with one per prompt "
-                    f"({len(prompts)}), got {len(params)} items"
+                    f"({len(prompts)}), got {len(params)} items" + (f" of type {bad[0]}" if bad else "")
                 )
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be an engine.SpecConfig or None, got {type(spec).__name__}")
@@ -260,15 +274,7 @@ class Engine:
         cfg = self.target.config
         kv = self.kv
         if kv is None or kv.num_blocks < blocks or kv.block_size != bs or kv.k.dtype != self.target.dtype:
-            kv = PagedKVCache(
-                cfg.num_layers,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                blocks,
-                bs,
-                self.target.dtype,
-                self.target.device,
-            )
+            kv = PagedKVCache.for_model(cfg, blocks, bs, self.target.dtype, self.target.device)
             self.kv = kv
         kv.check_quiescent()
         return kv
@@ -345,8 +351,9 @@ class Engine:
             scratch.append(node_slots)
             items.append(tree_item(tree.tokens, tree.parents, tree.depths, ctx[:-1], torch.cat([ctx[-1:], node_slots])))
         t0 = time.perf_counter()
+        budget = self.expert_budget if any(t.num_nodes > 1 for t in trees) else None  # verification forwards only
         out = self.target.forward_batch(
-            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer
+            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer, expert_budget=budget
         )
         forward_seconds = time.perf_counter() - t0
         phase = timer.reset() if timer is not None else {}
@@ -388,9 +395,7 @@ class Engine:
         cfg = self.target.config
         for r in active:
             n = r.cached_len
-            fresh = PagedKVCache(
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-n // 16) + 1, 16, kv.k.dtype, kv.k.device
-            )
+            fresh = PagedKVCache.for_model(cfg, -(-n // 16) + 1, 16, kv.k.dtype, kv.k.device)
             fresh.add_sequence(0)
             fresh.reserve(0, n)
             slots = fresh.slots(0, range(n))

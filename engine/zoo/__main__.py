@@ -2,6 +2,8 @@
 
     python -m engine.zoo                                  # the default run (~20 min on 2 cores) -> zoo/
     python -m engine.zoo +experiment=zoo_smoke            # < 1 min, tiny sizes, into a temp folder
+
+One progress bar per training stage (`engine.cli.step_bars`; `progress=false` turns them off).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from engine.cli import quiet_hydra_argv, step_bars
 from engine.paths import repo_relative
 from engine.zoo.build import run
 from engine.zoo.configs import ZooConf
@@ -24,7 +27,7 @@ def main(cfg) -> None:
     conf: ZooConf = OmegaConf.to_object(cfg)
     out_dir = Path(to_absolute_path(conf.out_dir))
     shared = repo_relative(conf.corpus.shared_data)
-    result = run(conf, out_dir, shared, log=tqdm.write)
+    result = run(conf, out_dir, shared, log=tqdm.write, on_step=step_bars() if conf.progress else None)
     print(f"\nheld-out (shipped bf16 weights, fp32 forward) -> {out_dir}\n")
     print(heldout_table(result.heldout))
     curve = ", ".join(f"{k} {v:.2f}" for k, v in result.verify_cost_curve.items() if not k.startswith("ms_"))
@@ -35,4 +38,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    quiet_hydra_argv()  # no outputs/ folder in the working directory, like the other entry points
     main()

@@ -10,7 +10,8 @@ when present, see `engine/corpus.py`), split by document-name hash; (2) a byte-l
 cosine); (4) a dense `qwen2` drafter distilled from the target with KL(target || drafter) + a little
 cross-entropy; (5) both saved as HF folders (bf16, tokenizer.json in each) and re-loaded from disk for
 the held-out report: nats/token and perplexity per corpus, the drafter's top-1 agreement with the
-target, and the target's verification cost curve T(n)/T(1) (DESIGN §8); (6) `manifest.json` and
+target, and the target's forward cost T(n)/T(1) without a KV cache (`uncached_forward_curve`, a proxy
+for the verification cost, DESIGN §8); (6) `manifest.json` and
 `README.md` next to the folders. Same seed, same config, same machine: same weights.
 
 `zoo_path(name)` finds a shipped folder (repo-root `zoo/`, or `$EXPERTSPEC_ZOO`). The training loops and the held-out
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cost.verify_curve import uncached_forward_curve
 from engine.models.checkpoint import build_model, load_model, save_model
 from engine.models.transformer import Model
 from engine.paths import ZOO_NAMES as ZOO_NAMES  # re-exported
@@ -43,15 +45,15 @@ from engine.zoo.configs import (
     target_hf_config,
 )
 from engine.zoo.train_heads import train_all_heads
-from engine.zoo.train_lm import batches as batches  # re-exported: tests and callers use engine.zoo.batches
 from engine.zoo.train_lm import (
+    OnStep,
     distill_drafter,
     evaluate,
     heldout_table,
     train_target,
     use_bf16_autocast,
-    verify_cost_curve,
 )
+from engine.zoo.train_lm import batches as batches  # re-exported: tests and callers use engine.zoo.batches
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -69,7 +71,7 @@ class ZooResult:
     target: dict
     drafter: dict
     heldout: dict
-    verify_cost_curve: dict
+    verify_cost_curve: dict  # target T(n)/T(1): `uncached_forward_curve` (name kept: manifest.json key)
     checkpoint_bytes: dict
     seconds: dict
     config: dict
@@ -78,9 +80,14 @@ class ZooResult:
 
 
 def run(
-    conf: ZooConf, out_dir: Path, shared_data: Path | None, log: Callable[[str], None] = lambda s: None
+    conf: ZooConf,
+    out_dir: Path,
+    shared_data: Path | None,
+    log: Callable[[str], None] = lambda s: None,
+    on_step: OnStep | None = None,
 ) -> ZooResult:
-    """Build the zoo into `out_dir` (`tiny-moe/`, `tiny-dense/`, `manifest.json`, `README.md`)."""
+    """Build the zoo into `out_dir` (`tiny-moe/`, `tiny-dense/`, `manifest.json`, `README.md`); `on_step`
+    follows every training step (`train_lm.train_loop`; `conf.progress` is the entry point's to read)."""
     wall0 = time.perf_counter()
     seconds: dict[str, float] = {}
     torch.set_num_threads(conf.threads)
@@ -126,7 +133,7 @@ def run(
     max_pos = max(conf.target.max_position_embeddings, conf.seq_len)
     target = build_model(target_hf_config(conf.target, vocab), seed=conf.seed)
     t0 = time.perf_counter()
-    target_stats = train_target(target, train_windows, conf.target, conf.seed, bf16, conf.progress)
+    target_stats = train_target(target, train_windows, conf.target, conf.seed, bf16, on_step)
     seconds["target"] = time.perf_counter() - t0
 
     drafter = build_model(drafter_hf_config(conf.drafter, vocab, max_pos), seed=conf.seed + 1)
@@ -134,7 +141,7 @@ def run(
         with torch.no_grad():
             drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
     t0 = time.perf_counter()
-    drafter_stats = distill_drafter(drafter, target, train_windows, conf.drafter, conf.seed + 1, bf16, conf.progress)
+    drafter_stats = distill_drafter(drafter, target, train_windows, conf.drafter, conf.seed + 1, bf16, on_step)
     seconds["drafter"] = time.perf_counter() - t0
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -149,13 +156,13 @@ def run(
     t0 = time.perf_counter()
     shipped_target, shipped_drafter = load_model(out_dir / "tiny-moe"), load_model(out_dir / "tiny-dense")
     report = evaluate(shipped_target, shipped_drafter, heldout)
-    curve = verify_cost_curve(shipped_target, list(conf.curve_tokens))
+    curve = uncached_forward_curve(shipped_target, list(conf.curve_tokens))
     seconds["eval"] = time.perf_counter() - t0
     heads: dict = {}
     if conf.train_heads:  # on the shipped bf16 target folder, so the heads record its digest
         t0 = time.perf_counter()
         heads = train_all_heads(out_dir / "tiny-moe", out_dir, train_streams, heldout_streams, conf.heads,
-                                progress=conf.progress, log=log)  # fmt: skip
+                                on_step=on_step, log=log)  # fmt: skip
         seconds["heads"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - wall0
 

@@ -9,9 +9,9 @@ The pieces `python -m engine.zoo` runs (see `engine/zoo.py` for the whole pipeli
 - both through `train_loop` (AdamW from `make_optimizer`, linear warmup + cosine, grad clipping) over
   `batches` (a seeded permutation of token windows per epoch), bf16 autocast per `use_bf16_autocast`;
 - `evaluate`: held-out nats/token, perplexity and drafter top-1 agreement per corpus (`heldout_table`
-  renders it as markdown); `verify_cost_curve`: the target's T(n)/T(1) (DESIGN §8).
+  renders it as markdown). The target's T(n)/T(1) is `engine.cost.verify_curve.uncached_forward_curve`.
 
-`make_optimizer` is shared with `engine/train_heads.py`.
+`train_loop` is shared with `engine/zoo/head_objectives.py`.
 
 Shape letters: B=batch T=sequence length V=vocab W=windows.
 """
@@ -26,12 +26,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from engine.models.transformer import Model
 
 if TYPE_CHECKING:
     from engine.zoo.configs import DrafterConf, TargetConf, TrainConf
+
+
+# (desc, step 1..steps, steps, metrics: smoothed losses and "<unit>/s"), called after every optimiser step
+OnStep = Callable[[str, int, int, dict[str, float]], None]
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -86,18 +89,18 @@ def train_loop(
     data: Iterator[torch.Tensor],
     loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
     desc: str,
-    progress: bool,
+    on_step: OnStep | None = None,
     unit: str = "tok",
 ) -> dict[str, float]:
     """The optimiser loop of every zoo model and head (AdamW, warmup + cosine, grad clipping) over `data`
     batches (token windows, or row indices for the heads: `unit` names what a batch element is); returns the
-    final smoothed losses, step count and seconds."""
+    final smoothed losses, step count and seconds. `on_step(desc, step, steps, metrics)` after every step
+    (the entry points draw progress bars with it: `engine.cli.step_bars`)."""
     opt, sched = make_optimizer(model, c)
     model.train()
     smooth: dict[str, float] = {}
     start = time.perf_counter()
-    bar = tqdm(data, total=c.steps, desc=desc, disable=not progress, dynamic_ncols=True, leave=unit == "tok")
-    for step, batch in enumerate(bar):
+    for step, batch in enumerate(data):
         loss, parts = loss_fn(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -106,9 +109,9 @@ def train_loop(
         sched.step()
         for k, v in parts.items():
             smooth[k] = v if step == 0 else 0.95 * smooth[k] + 0.05 * v
-        if step % 10 == 0 or step == c.steps - 1:
-            tok_s = (step + 1) * batch.numel() / (time.perf_counter() - start)
-            bar.set_postfix({**{k: f"{v:.3f}" for k, v in smooth.items()}, f"{unit}/s": f"{tok_s:.0f}"})
+        if on_step is not None:
+            rate = (step + 1) * batch.numel() / (time.perf_counter() - start)
+            on_step(desc, step + 1, c.steps, {**smooth, f"{unit}/s": rate})
     model.eval()
     return {
         **{f"final_{k}": v for k, v in smooth.items()},
@@ -118,7 +121,7 @@ def train_loop(
 
 
 def train_target(
-    model: Model, windows: torch.Tensor, c: TargetConf, seed: int, bf16: bool, progress: bool = False
+    model: Model, windows: torch.Tensor, c: TargetConf, seed: int, bf16: bool, on_step: OnStep | None = None
 ) -> dict[str, float]:
     """Next-token cross-entropy + router_aux_loss_coef * load-balancing loss on windows [W, T+1]."""
 
@@ -129,7 +132,7 @@ def train_target(
         return ce + c.router_aux_loss_coef * aux.float(), {"ce": ce.item(), "aux": aux.item()}
 
     return train_loop(model, c.train, batches(windows, c.train.batch_size, c.train.steps, seed), loss_fn,
-                       "target", progress)  # fmt: skip
+                       "target", on_step)  # fmt: skip
 
 
 def distill_drafter(
@@ -139,7 +142,7 @@ def distill_drafter(
     c: DrafterConf,
     seed: int,
     bf16: bool,
-    progress: bool = False,
+    on_step: OnStep | None = None,
 ) -> dict[str, float]:
     """kl_weight * KL(target || drafter) + ce_weight * CE, target logits computed on the fly (no grad)."""
     target.eval()
@@ -157,7 +160,7 @@ def distill_drafter(
         return c.kl_weight * kl + c.ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
 
     return train_loop(drafter, c.train, batches(windows, c.train.batch_size, c.train.steps, seed), loss_fn,
-                       "drafter", progress)  # fmt: skip
+                       "drafter", on_step)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -200,32 +203,6 @@ def _metrics(s: dict) -> dict[str, float]:
         "drafter_ppl": math.exp(d),
         "top1_agreement": s["agree"] / n,
     }
-
-
-@torch.inference_mode()
-def verify_cost_curve(model: Model, sizes: list[int], repeats: int = 20, seed: int = 0) -> dict[str, float]:
-    """T(n)/T(1) of a plain forward over n tokens, 1 thread, best of `repeats` (DESIGN §8).
-
-    A proxy for the cost of verifying n tokens: no KV-cache prefix, so attention is understated.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(seed)
-    try:
-        best: dict[int, float] = {}
-        for n in sizes:
-            ids = torch.randint(0, model.vocab_size, (1, n), generator=gen)
-            model(ids)  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                model(ids)
-                times.append(time.perf_counter() - t0)
-            best[n] = min(times)
-    finally:
-        torch.set_num_threads(threads)
-    base = best[sizes[0]]
-    return {f"n={n}": best[n] / base for n in sizes} | {f"ms_n={n}": best[n] * 1e3 for n in sizes}
 
 
 def heldout_table(report: dict[str, dict[str, float]]) -> str:

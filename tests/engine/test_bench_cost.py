@@ -14,17 +14,8 @@ import pytest
 import torch
 
 from engine.bench.configs import CostBenchConfig
-from engine.bench.cost import (
-    TINY_MOE_SHAPE,
-    ForwardRunner,
-    bench_cost,
-    expected_committed,
-    measure_samples,
-    print_cost,
-    random_draft,
-    utility_threshold,
-    what_if,
-)
+from engine.bench.cost import bench_cost, expected_committed, print_cost, utility_threshold, what_if
+from engine.bench.cost_measure import TINY_MOE_SHAPE, ForwardRunner, measure_samples, random_draft
 from engine.cost.fitted import CostSample, fit_cost_model, fit_two_regimes
 from engine.cost.profiling import chrome_trace
 from engine.models.checkpoint import build_model

@@ -78,3 +78,16 @@ def test_drafter_with_other_vocabulary_is_rejected(tiny_moe_dir, tmp_path):
     other = build_model(tiny_config("llama", vocab_size=50))
     with pytest.raises(ValueError, match="vocabulary"):
         engine.Engine(target, drafter=other)
+
+
+@pytest.mark.parametrize(("name", "want"), [("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16),
+                                            ("torch.float16", torch.float16), ("float32", torch.float32)])  # fmt: skip
+def test_dtype_by_name(tiny_moe_dir, name, want):
+    model = engine.load_model(tiny_moe_dir, dtype=name)
+    assert model.dtype == want and all(p.dtype == want for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", ["bfloat", "int8", torch.int8, 16])
+def test_bad_dtype_lists_the_names(tiny_moe_dir, bad):
+    with pytest.raises(ValueError, match=r"dtype must be a torch floating dtype or one of .*'bfloat16'"):
+        engine.load_model(tiny_moe_dir, dtype=bad)

@@ -169,6 +169,12 @@ def test_missing_field_and_unknown_name(tmp_path):
     broken.write_text("\n".join(line for line in text.splitlines() if not line.startswith("hbm_bandwidth")))
     with pytest.raises(ValueError, match="hbm_bandwidth"):
         load_hardware(broken)
+    broken.write_text(text + "\nhbm_bandwith: 3.0e12\n")  # a misspelt extra key is not silently ignored
+    with pytest.raises(ValueError, match=r"hbm_bandwith.*HardwareProfile"):
+        load_hardware(broken)
+    broken.write_text(text.replace("gpus_per_node: 8", "gpus_per_node: eight"))
+    with pytest.raises(ValueError, match=r"(?s)eight.*gpus_per_node"):
+        load_hardware(broken)
     with pytest.raises(ValueError, match=r"available: .*a100.*h100"):
         load_hardware("h900")
     with pytest.raises(ValueError, match="mixtral_8x7b"):

@@ -200,7 +200,9 @@ def test_heads_refuse_another_target_checkpoint(target, heads, tmp_path):
     engine.save_model(target, tmp_path / "target")
     on_disk = engine.load_model(tmp_path / "target")
     save_head(heads["eagle"], tmp_path / "head", on_disk)
-    assert load_eagle_head(tmp_path / "head", on_disk) is not None
+    same = load_eagle_head(tmp_path / "head", on_disk)  # the checkpoint it was saved against: loads, same weights
+    for (name, a), (_, b) in zip(heads["eagle"].state_dict().items(), same.state_dict().items()):
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=name)
     retrained = init_weights(Model(parse_config(tiny_config("qwen2_moe"))), seed=1, std=0.3)
     engine.save_model(retrained, tmp_path / "target")
     with pytest.raises(ValueError, match="another target checkpoint"):

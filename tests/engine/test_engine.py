@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a test dependency (pyproject [test]): a broken install fails, not skips
 
 import engine
 from engine.spec.sampling import SamplingParams
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = [[5, 7, 9, 11, 3], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [60]]
 
@@ -87,6 +86,11 @@ def test_all_blocks_free_after_requests_finish(pair):
     ("kwargs", "match"),
     [
         (dict(prompts=[[]]), "empty"),
+        (dict(prompts=[1, 2, 3]), r"list of token-id lists.*flat list of ints"),
+        (dict(prompts="def f(x):"), r"list of token-id lists, got a str: tokenize"),
+        (dict(prompts=torch.tensor([1, 2, 3])), r"list of token-id lists, got a tensor: pass tensor.tolist"),
+        (dict(prompts=[torch.tensor([1, 2, 3])]), r"prompt 0 must be a list of token ids, got Tensor"),
+        (dict(sampling=[{"temperature": 1.0}]), "one per prompt.*of type dict"),
         (dict(prompts=[[1, 2, 97]]), "outside the vocabulary"),
         (dict(prompts=[[-1]]), "outside the vocabulary"),
         (dict(prompts=[[1] * 200], max_new_tokens=100), "context length"),
@@ -96,13 +100,26 @@ def test_all_blocks_free_after_requests_finish(pair):
         (dict(eos_token_id=1000), "eos_token_id"),
     ],
 )
-def test_bad_input_is_rejected_before_work(pair, kwargs, match):
+def test_bad_input_is_rejected_before_work(pair, kwargs, match, monkeypatch):
     _, ours = pair
     eng = engine.Engine(ours)
+    first = eng.generate([[1, 2]], 4)[0].token_ids  # a cache exists now: a rejected call must leave it as it was
+    kv = eng.kv
+    forwards = []
+    monkeypatch.setattr(ours, "forward_batch", lambda *a, **k: forwards.append(a))
     args = dict(prompts=[[1, 2]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
         eng.generate(**args)
-    assert eng.kv is None or eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert not forwards, "a target forward ran before the input was rejected"
+    assert eng.kv is kv and kv.num_free_blocks == kv.num_blocks and not kv.seqs
+    monkeypatch.undo()
+    assert eng.generate([[1, 2]], 4)[0].token_ids == first  # still usable: no session left open
+
+
+def test_sampling_as_a_dict_says_what_to_pass(pair):
+    _, ours = pair
+    with pytest.raises(TypeError, match=r"engine.SamplingParams\(\*\*\{'temperature': 0.7\}\)"):
+        engine.Engine(ours).generate([[1, 2]], 4, sampling={"temperature": 0.7})
 
 
 def test_bad_sampling_params():

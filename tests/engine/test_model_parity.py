@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a test dependency (pyproject [test]): a broken install fails, not skips
 from hf_configs import PARITY_CASES, tiny_config
 
 import engine
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -251,10 +250,6 @@ def test_cuda_copy_mode_moves_weights_and_matches():
 
 
 # ---------------------------------------------------------------------------------------- engine hook
-@pytest.mark.skipif(
-    "offload" not in inspect.signature(engine.Engine.__init__).parameters,
-    reason="Engine(offload=...) not wired yet (see the diff for engine/engine.py and engine/stats.py)",
-)
 def test_engine_attaches_offload_stats_per_round(target):
     with ExpertOffload(target, 2) as off:
         eng = engine.Engine(target, offload=off)

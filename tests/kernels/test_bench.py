@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,16 @@ def test_bench_cpu_smoke(tmp_path: Path) -> None:
     rows = [line.split() for line in out.splitlines() if line.startswith("cpu_tiny")]
     assert [int(r[1]) for r in rows] == [1, 2]
     assert all(r[5] == "n/a" and float(r[8]) > 0 for r in rows)  # no Triton timing, a reference timing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path; the GPU path has its own test")
+def test_bench_leaves_no_hydra_folder(tmp_path: Path) -> None:
+    """Plain `python -m kernels.bench` runs where it is started and writes no outputs/ or .hydra/ there."""
+    cmd = [sys.executable, "-m", "kernels.bench", "tokens=[1]", "iters=1", "rotations=1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_rejects_unknown_model(tmp_path: Path) -> None:
