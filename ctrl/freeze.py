@@ -50,7 +50,7 @@ def freeze(model: Any, grid: ActionGrid, path: str | os.PathLike, vec_normalize:
         mean, var, clip, eps = np.zeros(OBS_DIM), np.ones(OBS_DIM), 1e9, 0.0
     actor = _Actor(copy.deepcopy(policy.mlp_extractor.policy_net), copy.deepcopy(policy.action_net),
                    mean, var, clip, eps)  # fmt: skip
-    scripted = torch.jit.script(actor.eval())
+    scripted = torch.jit.trace(actor.eval(), torch.zeros(1, OBS_DIM))  # a plain MLP: tracing is exact
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".freeze-", dir=out.parent))

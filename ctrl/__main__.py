@@ -1,0 +1,146 @@
+"""`python -m ctrl`: the main job — record traces, train a controller, evaluate it against every baseline.
+
+    python -m ctrl                                   # built-in workloads, zoo models, ~10-15 min on 2 cores
+    python -m ctrl +experiment=main_smoke            # a minute: tiny budgets (the entry point's smoke test)
+    python -m ctrl workloads.prompts=questions.jsonl # + a FastChat JSONL workload
+    python -m ctrl wandb.mode=disabled seeds=[0]
+
+Stages: (1) one trace per workload (train + held-out prompts; cached by content under ~/.cache/expertspec,
+so a second run records nothing); (2) per cost model (roofline H200 × Qwen3-30B-A3B, this machine's measured
+cost), PPO over the training prompts, one frozen policy per seed (cached by what determines it); (3) every
+policy on the held-out prompts: static best (chosen on train / on test), target-only, Cascade, EVICT, UCB,
+DISCO, SGLang adaptive, vLLM table / goodput, PPO, the hindsight oracle; (4) results.json, report.md and
+plots in the run directory (`hydra.run.dir=...`), the headline table printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from ctrl.config import MainConf
+from ctrl.pipeline import check_conf, evaluate, record_traces, train
+from ctrl.report import markdown_report, plot_all
+from engine.paths import cache_dir
+
+HEADLINE = ("static-best-train", "static-best-test", "cascade", "evict", "sglang-adaptive", "vllm-goodput", "ppo",
+            "oracle")  # fmt: skip
+
+
+def boundary(cost, conf: MainConf) -> str:
+    m, w = conf.models, conf.workloads
+    common = (
+        f"Replay of recorded {'greedy' if w.temperature == 0 else f'drafter-invariant sampled (T={w.temperature})'} "
+        f"traces: target zoo/{m.target}, drafter zoo/{m.drafter}; {w.test} held-out prompts × {w.max_new_tokens} "
+        "tokens; exact methods (every policy commits the target's own tokens). Static baselines: the best single "
+        f"action of the whole grid chosen on the {w.train} training prompts (static-best-train) or on the "
+        "held-out prompts themselves (static-best-test). Unit of committed/cost: tokens per second of cost. "
+        "Counted: drafter and target verification; not counted: controller overhead (measured separately)."
+    )
+    if cost.kind == "roofline":
+        return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} (experts resident, one device, no "
+                "EP), routing of the priced model from the identity-keyed synthetic router, drafter priced as an "
+                f"EAGLE-3-style head ({cost.drafter_spec}). " + common)  # fmt: skip
+    return ("Cost: this machine's measured cost (2 CPU cores, one thread), the engine's fitted model of target "
+            "verification plus the drafter's own fitted cost, both fitted on the trace's timed samples. " + common)
+
+
+def _policy_cache(conf: MainConf, traces, cost) -> Path:
+    key = json.dumps([sorted((n, t.digest) for n, t in traces.items()), asdict(cost), asdict(conf.algo),
+                      list(conf.seeds), asdict(conf.grid), conf.workloads.train], sort_keys=True)  # fmt: skip
+    return cache_dir() / "policies" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def run(conf: MainConf, out_dir: Path) -> dict:
+    check_conf(conf)
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = conf.workloads
+    names = list(w.names) + ([w.prompts] if w.prompts else [])
+    bar = tqdm(total=len(names) * (w.train + w.test), desc="record traces (requests)", disable=not conf.progress)
+    traces = record_traces(conf, on_start=lambda n, done: bar.update(0))
+    bar.update(bar.total - bar.n)
+    bar.close()
+    t_record = time.perf_counter() - t0
+    rows, extras, policies = [], {}, {}
+    for cost in conf.costs:
+        cache = Path(conf.policy_path) if conf.policy_path else _policy_cache(conf, traces, cost)
+        paths = sorted(cache.glob(f"{cost.name}/seed*")) if conf.policy_path is None else [cache]
+        if conf.policy_path is None and len(paths) != len(conf.seeds):
+            steps = conf.algo.total_timesteps * len(conf.seeds)
+            tb = tqdm(total=steps, desc=f"train PPO ({cost.name})", disable=not conf.progress, unit="step")
+            paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n))
+            tb.close()
+        policies[cost.name] = [str(p) for p in paths]
+        n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
+        eb = tqdm(total=n_eval, desc=f"evaluate ({cost.name})", disable=not conf.progress)
+        r, p, x = evaluate(conf, traces, cost, paths, on_policy=lambda name, eb=eb: eb.update(1))
+        eb.close()
+        rows += r
+        extras[cost.name] = x
+        for wl, data in p.items():
+            plot_all(data, out_dir / "plots" / cost.name / wl)
+        for src in paths:  # keep the frozen policies next to the report
+            dst = out_dir / "policies" / cost.name / Path(src).name
+            if not dst.exists():
+                shutil.copytree(src, dst)
+    sections = [report_extras(extras)]
+    md = markdown_report(rows, {c.name: boundary(c, conf) for c in conf.costs}, sections)
+    (out_dir / "results.json").write_text(json.dumps(rows, indent=2, default=float))
+    (out_dir / "extras.json").write_text(json.dumps(extras, indent=2, default=float))
+    (out_dir / "report.md").write_text(md)
+    summary = {"rows": rows, "extras": extras, "policies": policies, "seconds": time.perf_counter() - t0,
+               "record_seconds": t_record, "out_dir": str(out_dir)}  # fmt: skip
+    return summary
+
+
+def report_extras(extras: dict) -> str:
+    lines = ["## Learned policy: share of the oracle's headroom and ablation", ""]
+    lines += ["Share of headroom = (PPO − static-best-test) / (oracle − static-best-test), committed per cost, "
+              "per training seed.", ""]  # fmt: skip
+    lines += ["| cost model | workload | share per seed | ablation (variant: committed per cost) |"]
+    lines += ["|---|---|---|---|"]
+    for cost, x in extras.items():
+        for wl, shares in x.get("headroom", {}).items():
+            variants = x.get("ablation", {}).get(wl, [])
+            abl = "; ".join(f"{a['variant']}: {a['committed_per_cost']:.4g}" for a in variants)
+            lines.append(f"| {cost} | {wl} | {', '.join(f'{s:.1%}' for s in shares)} | {abl} |")
+    return "\n".join(lines) + "\n"
+
+
+def headline(rows: list[dict]) -> str:
+    out = []
+    for cost in dict.fromkeys(r["cost_model"] for r in rows):
+        out.append(f"\n== {cost}: speed-up over target-only decoding on held-out prompts (committed per cost ×) ==")
+        wls = list(dict.fromkeys(r["workload"] for r in rows if r["cost_model"] == cost))
+        out.append(f"{'policy':<20}" + "".join(f"{w:>10}" for w in wls))
+        for pol in HEADLINE:
+            vals = []
+            for wl in wls:
+                r = next((x for x in rows if x["cost_model"] == cost and x["workload"] == wl and x["policy"] == pol),
+                         None)  # fmt: skip
+                vals.append(f"{r['speedup_vs_ar']:>9.3f}x" if r else f"{'-':>10}")
+            out.append(f"{pol:<20}" + "".join(vals))
+    return "\n".join(out)
+
+
+@hydra.main(config_path="../conf", config_name="main", version_base=None)
+def main(cfg) -> None:
+    conf: MainConf = OmegaConf.to_object(cfg)
+    out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / conf.out_dir
+    summary = run(conf, out_dir.resolve())
+    print(headline(summary["rows"]))
+    print(f"\nreport: {out_dir.resolve() / 'report.md'}  (results.json, plots/ next to it); "
+          f"{summary['seconds'] / 60:.1f} min")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

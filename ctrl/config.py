@@ -1,0 +1,77 @@
+"""Hydra schemas of the controller entry points (`python -m ctrl`, `ctrl.train`, `ctrl.evaluate`).
+
+One structured config for the whole job: what is recorded (workloads × models), how requests split into
+training and held-out prompts, which cost models price rounds, how the agent is trained, what is
+evaluated. YAML under conf/ only sets values (conf/main.yaml, conf/experiment/*.yaml presets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from ctrl.train import AlgoConf, WandbConf
+
+BUILTIN_WORKLOADS = ["code", "prose", "chat", "math"]
+
+
+@dataclass
+class WorkloadsConf:
+    names: list[str] = field(default_factory=lambda: list(BUILTIN_WORKLOADS))  # engine.workloads built-ins
+    prompts: str | None = None  # a FastChat / HumanEval JSONL file: one more workload, named after the file
+    train: int = 8  # training prompts per workload (the first ones)
+    test: int = 8  # held-out prompts per workload (never seen in training)
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 128
+    temperature: float = 0.0  # > 0: drafter-invariant seeded sampling (replays exactly)
+
+
+@dataclass
+class ModelsConf:
+    target: str = "tiny-moe"
+    drafter: str = "eagle-head"
+    predictor: str | None = "expert-predictor"
+    kmax: int = 8
+    widths: list[int] = field(default_factory=lambda: [1, 2, 3])
+
+
+@dataclass
+class CostSpecConf:
+    name: str = "roofline-h200-qwen3_30b_a3b"
+    kind: str = "roofline"  # roofline | fitted (this machine's measured cost, fitted on the trace)
+    hardware: str = "h200"
+    model_spec: str = "qwen3_30b_a3b"
+    drafter_spec: str = "auto"
+
+
+@dataclass
+class GridConf:
+    depths: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    widths: list[int] = field(default_factory=lambda: [1, 2, 3])
+    lams: list[float] = field(default_factory=lambda: [0.0])
+    rules: list[list] = field(default_factory=lambda: [["all", 0.0], ["threshold", 0.1], ["threshold", 0.3]])
+
+
+@dataclass
+class MainConf:
+    workloads: WorkloadsConf = field(default_factory=WorkloadsConf)
+    models: ModelsConf = field(default_factory=ModelsConf)
+    costs: list[CostSpecConf] = field(
+        default_factory=lambda: [CostSpecConf(), CostSpecConf(name="measured-cpu", kind="fitted")]
+    )
+    grid: GridConf = field(default_factory=GridConf)
+    algo: AlgoConf = field(default_factory=AlgoConf)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    wandb: WandbConf = field(default_factory=WandbConf)
+    policies: list[str] = field(
+        default_factory=lambda: ["cascade", "evict", "ucb", "disco", "sglang-adaptive", "vllm-table", "vllm-goodput"]
+    )
+    ablation: bool = True
+    live_requests: int = 1  # held-out requests per workload also run on the live engine (0: replay only)
+    policy_path: str | None = None  # ctrl.evaluate: a frozen policy folder; None: train (or reuse the cached one)
+    out_dir: str = "."  # results.json, report.md, plots, policies (relative: the Hydra run dir)
+    progress: bool = True
+
+
+ConfigStore.instance().store(name="main_schema", node=MainConf)

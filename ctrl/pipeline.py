@@ -1,0 +1,376 @@
+"""The main job's stages as functions: record traces, build replay envs, train, evaluate.
+
+    traces = record_traces(conf)                          # {workload: Trace}, cached by content
+    envs   = replay_envs(traces, cost, requests="train")  # one ReplayEnv per workload
+    paths  = train(conf, traces, cost, out_dir)           # frozen policies, one per seed
+    rows   = evaluate(conf, traces, cost, policies)       # results.json rows
+
+Split: the first `workloads.train` prompts of each workload train (and choose "static-best-train"), the
+next `workloads.test` are held out for every reported figure. Every policy runs on the same traces under
+the same cost model; in replay every policy commits the same tokens (greedy or drafter-invariant sampling),
+so the policies differ only in cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ctrl.config import CostSpecConf, MainConf
+from ctrl.metrics import request_speedup, summarize
+from ctrl.policies import make_policy
+from engine.runtime.action_grid import ActionGrid
+from engine.spec.config import SpecConfig
+
+
+def grid_of(conf: MainConf) -> ActionGrid:
+    g = conf.grid
+    return ActionGrid(depths=tuple(g.depths), widths=tuple(g.widths), lams=tuple(g.lams),
+                      rules=tuple((str(r), float(t)) for r, t in g.rules))  # fmt: skip
+
+
+def check_conf(conf: MainConf) -> None:
+    """Clear errors for a configuration that cannot run, before any model is loaded."""
+    from engine.cost.roofline import load_hardware, load_model_spec
+
+    w = conf.workloads
+    from engine.workloads import BUILTIN
+
+    unknown = [n for n in w.names if n not in BUILTIN and n != "mixed"]
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; built-in: {sorted(BUILTIN)} (or workloads.prompts=PATH)")
+    if not w.names and not w.prompts:
+        raise ValueError("no workload: set workloads.names or workloads.prompts")
+    if w.prompts and not Path(w.prompts).is_file():
+        raise FileNotFoundError(f"workloads.prompts={w.prompts}: no such file")
+    if w.train < 1 or w.test < 1:
+        raise ValueError(f"workloads.train and workloads.test must be >= 1, got {w.train}, {w.test}")
+    for c in conf.costs:
+        if c.kind not in ("roofline", "fitted"):
+            raise ValueError(f"cost {c.name}: kind must be roofline or fitted, got {c.kind!r}")
+        if c.kind == "roofline":
+            load_hardware(c.hardware)
+            if c.model_spec != "target":
+                load_model_spec(c.model_spec)
+    grid = grid_of(conf)
+    if grid.max_depth > conf.models.kmax or not set(grid.widths) <= set(conf.models.widths):
+        raise ValueError(f"grid depths/widths {grid.depths}/{grid.widths} exceed what is recorded "
+                         f"(kmax {conf.models.kmax}, widths {conf.models.widths})")  # fmt: skip
+    if not conf.seeds:
+        raise ValueError("seeds must name at least one training seed")
+    for name in conf.policies:
+        if name not in POLICY_FACTORIES:
+            raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICY_FACTORIES)}")
+
+
+# ---------------------------------------------------------------------------------------------- traces
+def record_traces(conf: MainConf, on_position: Callable[[], None] | None = None, on_start=None) -> dict[str, Any]:
+    """One trace per workload (train + test prompts), recorded once and cached by content."""
+    from env.models import load_models
+    from env.record import RecordConf, SamplingConf, WorkloadConf, record
+
+    m, w = conf.models, conf.workloads
+    models = load_models(m.target, m.drafter, m.predictor)
+    names = list(w.names) + ([str(w.prompts)] if w.prompts else [])
+    traces = {}
+    for name in names:
+        is_file = name == w.prompts
+        rc = RecordConf(
+            target=m.target, drafter=m.drafter, predictor=m.predictor, kmax=m.kmax, widths=list(m.widths),
+            max_new_tokens=w.max_new_tokens, max_prompt_tokens=w.max_prompt_tokens,
+            workload=WorkloadConf(name="mixed" if is_file else name, n=w.train + w.test,
+                                  prompts=name if is_file else None),
+            sampling=SamplingConf(temperature=w.temperature), progress=False,
+        )  # fmt: skip
+        trace = record(rc, models=models, on_position=on_position, on_start=on_start)
+        if trace.num_requests < w.train + 1:
+            raise ValueError(f"workload {name}: {trace.num_requests} usable prompts, need > workloads.train={w.train}")
+        traces[Path(name).stem if is_file else name] = trace
+    return traces
+
+
+def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
+    n = trace.num_requests
+    train = list(range(min(conf.workloads.train, n - 1)))
+    test = list(range(len(train), min(n, len(train) + conf.workloads.test)))
+    return train, test
+
+
+def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None):
+    from env.replay import ReplayEnv
+
+    return ReplayEnv(trace, grid=grid, cost=dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec,
+                                                 drafter_spec=cost.drafter_spec), requests=requests)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- running policies
+def run_request(env: Any, request: int, act: Callable[[Any], Any], kind: str, reset: Callable[[], None] | None = None):
+    """One episode = one request; `act` takes the Observation ("spec": returns a SpecConfig) or the obs vector
+    ("index": returns grid indices / an env action). Returns the episode's RoundStats."""
+    e = env.unwrapped
+    vec, _ = e.reset(options={"request": request})
+    if reset is not None:
+        reset()
+    done = False
+    while not done:
+        a = act(e._observe()) if kind == "spec" else act(vec)
+        vec, _, term, trunc, _ = e.step(a)
+        done = term or trunc
+    return list(e.rounds)
+
+
+def run_requests(env, requests, act, kind, reset=None) -> list[list[Any]]:
+    return [run_request(env, i, act, kind, reset) for i in requests]
+
+
+def static_costs(env: Any, requests: Sequence[int]) -> np.ndarray:
+    """Total cost of every grid action used statically over `requests` [A] (env.oracle.static_returns)."""
+    from env.oracle import static_returns
+
+    total = None
+    for i in requests:
+        _, c = static_returns(env, i)
+        total = c if total is None else total + c
+    return total
+
+
+def profile(env: Any, requests: Sequence[int], grid: ActionGrid) -> dict[str, Any]:
+    """What the published rules are configured with, measured on training prompts only: the verification cost
+    curve T_verify(n)/T_AR (EVICT's profiled C(k)), the round cost ITL(K)/T_AR (vLLM's profiled ITL at batch
+    size 1), acceptance per draft position (vLLM's prior) and the best static K (a vLLM batch-size table)."""
+    e = env.unwrapped
+    kmax = grid.max_depth
+    verify: dict[int, list[float]] = {}
+    itl = {0: 1.0}
+    acc_rounds = []
+    for k in range(0, kmax + 1):
+        full = []
+        for i in requests:
+            e.reset(options={"request": i})
+            done = False
+            while not done:
+                _, _, term, trunc, info = e.step(SpecConfig(depth=k, width=1))
+                done = term or trunc
+                verify.setdefault(info["verified"], []).append(info["cost_verify"] / info["cost_ar"])
+                if info["verified"] == k + 1:
+                    full.append(info["cost"] / info["cost_ar"])
+            if k == kmax:
+                acc_rounds.append(list(e.rounds))
+        if k > 0:
+            itl[k] = float(np.mean(full)) if full else float("nan")
+    curve = [float(np.mean(verify[n])) if n in verify else float("nan") for n in range(1, kmax + 2)]
+    for n in range(1, len(curve)):  # fill sizes never seen (end of requests) by the last known ratio
+        if curve[n] != curve[n]:
+            curve[n] = curve[n - 1]
+    for k in range(1, kmax + 1):
+        if itl[k] != itl[k]:
+            itl[k] = itl[k - 1]
+    acc = summarize(acc_rounds).acceptance_by_depth
+    acc = [0.0 if a != a else float(a) for a in acc] + [0.0] * (kmax - len(acc))
+    costs = static_costs(env, requests)
+    best = grid.spec(_unflat(env, int(np.argmin(costs))))
+    return {"verify_curve": curve, "itl": itl, "acceptance": acc[:kmax], "best_static_k": best.depth}
+
+
+def _unflat(env, a: int):
+    return env.unwrapped.codec.unflat(a)
+
+
+def _sglang(prof: dict, grid: ActionGrid):
+    from ctrl.policies.sglang import DEFAULT_ADAPTIVE_CONFIG
+
+    kmax = grid.max_depth
+    cfg = {bs: {**slot, "candidate_steps": [k for k in slot["candidate_steps"] if k <= kmax] or [0]}
+           for bs, slot in DEFAULT_ADAPTIVE_CONFIG.items()}  # fmt: skip
+    return make_policy("sglang-adaptive", config=cfg, initial_steps=min(3, kmax))
+
+
+def _ucb(prof: dict, grid: ActionGrid):
+    from ctrl.policies.ucb import DEFAULT_ARMS
+
+    arms = [(k, w) for k, w in DEFAULT_ARMS if k <= grid.max_depth and w in grid.widths]
+    return make_policy("ucb", arms=arms)
+
+
+# name -> factory(profile measured on the training prompts, action grid); the grid bounds what they may choose
+POLICY_FACTORIES: dict[str, Callable[[dict, ActionGrid], Any]] = {
+    "cascade": lambda p, g: make_policy("cascade", k_max=g.max_depth),
+    "evict": lambda p, g: make_policy("goodput", cost_curve=p["verify_curve"]),
+    "ucb": _ucb,
+    "disco": lambda p, g: make_policy("disco", depth=g.max_depth),
+    "sglang-adaptive": _sglang,
+    "vllm-table": lambda p, g: make_policy("vllm-table", table=[[1, 1, p["best_static_k"]]],
+                                           num_speculative_tokens=max(p["best_static_k"], 1)),
+    "vllm-goodput": lambda p, g: make_policy("vllm-goodput", batch_stats={1: p["itl"]},
+                                             acceptance_rate_per_pos=p["acceptance"],
+                                             num_speculative_tokens=g.max_depth),
+}  # fmt: skip
+
+
+def row(policy: str, workload: str, cost: CostSpecConf, requests: list[list[Any]], backend: str = "replay",
+        exact: bool = True, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    s = summarize(requests).as_dict()
+    s.pop("acceptance_by_depth")
+    return dict(policy=policy, workload=workload, backend=backend, cost_model=cost.name, exact=exact, **s, **extra)
+
+
+def per_policy_plot_data(requests: list[list[Any]]) -> dict[str, Any]:
+    s = summarize(requests)
+    return {
+        "acceptance_by_depth": [0.0 if math.isnan(a) else a for a in s.acceptance_by_depth],
+        "request_speedups": [request_speedup(q) for q in requests],
+        "actions": [(r.depth, r.width) for r in requests[0]],
+        "footprint": [(r.verified_tokens, float(np.mean(r.distinct_experts))) for q in requests for r in q
+                      if len(r.distinct_experts)],
+    }  # fmt: skip
+
+
+def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
+    """The frozen learned policy as an env actor; `freeze` pins action dimensions (ablation: {dim: index})."""
+
+    def act(vec):
+        idx = list(policy.act_index(vec))
+        for d, i in (freeze or {}).items():
+            idx[d] = i
+        return env.unwrapped.codec.encode(idx)
+
+    return act
+
+
+def as_dict(conf: Any) -> dict[str, Any]:
+    return asdict(conf)
+
+
+# ---------------------------------------------------------------------------------------------- training
+def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: Path, progress=None) -> list[Path]:
+    """PPO over every workload's training requests (one replay env per workload, round-robin over the
+    vectorised envs), one frozen policy per seed under `out_dir/<cost name>/seed<k>`."""
+    from ctrl.train import train_seeds
+
+    grid = grid_of(conf)
+    names = sorted(traces)
+
+    def make_env(rank: int):
+        name = names[rank % len(names)]
+        train_ids, _ = split(traces[name], conf)
+        return replay_env(traces[name], cost, grid, train_ids)
+
+    card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
+                     "train_requests": conf.workloads.train}}  # fmt: skip
+    config = {**card, "cost": asdict(cost), "algo": asdict(conf.algo)}
+    result = train_seeds(make_env, grid, conf.algo, list(conf.seeds), out_dir / cost.name, conf.wandb, config, progress)
+    return result.policy_paths
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def evaluate(
+    conf: MainConf,
+    traces: dict[str, Any],
+    cost: CostSpecConf,
+    policy_paths: Sequence[Path],
+    on_policy: Callable[[str], None] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every policy on every workload's held-out requests, replay under `cost`.
+
+    Returns (rows, plot data per workload, extras: headroom shares, ablation, profiles)."""
+    from engine.runtime.frozen import load_frozen_policy
+    from env.oracle import HindsightOracle
+
+    grid = grid_of(conf)
+    rows: list[dict[str, Any]] = []
+    plots: dict[str, dict[str, Any]] = {}
+    extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}}
+    frozen = [load_frozen_policy(p) for p in policy_paths]
+    tick = on_policy or (lambda name: None)
+    for name in sorted(traces):
+        trace = traces[name]
+        train_ids, test_ids = split(trace, conf)
+        env = replay_env(trace, cost, grid)
+        plot: dict[str, Any] = {}
+        runs: dict[str, list[list[Any]]] = {}
+
+        def add(policy: str, reqs: list[list[Any]], runs=runs, name=name, **extra: Any) -> None:
+            runs[policy] = reqs
+            rows.append(row(policy, name, cost, reqs, **extra))
+            tick(policy)
+
+        # static: the best action of the whole grid, chosen on the training prompts and on the test prompts
+        c_train, c_test = static_costs(env, train_ids), static_costs(env, test_ids)
+        for label, costs in (("static-best-train", c_train), ("static-best-test", c_test)):
+            idx = _unflat(env, int(np.argmin(costs)))
+            spec = grid.spec(idx)
+            add(label, run_requests(env, test_ids, lambda v, idx=idx, e=env: e.unwrapped.codec.encode(idx), "index"),
+                action=f"K={spec.depth} W={spec.width} rule={spec.verify_rule}:{spec.verify_threshold:g}")  # fmt: skip
+            extras["static"][f"{name}/{label}"] = list(idx)
+        add("target-only", run_requests(env, test_ids, lambda obs: SpecConfig(depth=0, width=1), "spec"))
+        # published / shipped adaptive rules, configured from the training prompts
+        prof = profile(env, train_ids, grid)
+        extras["profile"][name] = prof
+        for pname in conf.policies:
+            pol = POLICY_FACTORIES[pname](prof, grid)
+            add(pname, run_requests(env, test_ids, pol.act, "spec", reset=pol.reset))
+        # the hindsight oracle (replay only): the upper bound
+        oracle = HindsightOracle(env, objective="cost")
+        add("oracle", run_requests(env, test_ids, lambda v, o=oracle: o.action(), "index"))
+        # learned: every seed, and their mean
+        seed_rows = []
+        for k, fp in enumerate(frozen):
+            reqs = run_requests(env, test_ids, frozen_runner(fp, env), "index")
+            r = row(f"ppo-seed{k}", name, cost, reqs, seed=fp.card.get("seed"))
+            rows.append(r)
+            seed_rows.append(r)
+            runs.setdefault("ppo", reqs)
+            tick("ppo")
+        if seed_rows:
+            numeric = [k for k, v in seed_rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            mean = {key: float(np.mean([r[key] for r in seed_rows])) for key in numeric}
+            mean.update(policy="ppo", workload=name, backend="replay", cost_model=cost.name, exact=True,
+                        seeds=len(seed_rows),
+                        spread=float(np.ptp([r["committed_per_cost"] for r in seed_rows])))  # fmt: skip
+            rows.append(mean)
+            base = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
+                        and r["policy"] == "static-best-test")  # fmt: skip
+            orc = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
+                       and r["policy"] == "oracle")  # fmt: skip
+            gap = orc["committed_per_cost"] - base["committed_per_cost"]
+            extras["headroom"][name] = [
+                (r["committed_per_cost"] - base["committed_per_cost"]) / gap if gap > 0 else float("nan")
+                for r in seed_rows
+            ]
+            if conf.ablation:
+                extras["ablation"][name] = ablation(env, train_ids, test_ids, frozen, grid)
+        for pol_name, reqs in runs.items():
+            if pol_name in ("ppo", "static-best-train", "cascade", "evict", "oracle", "target-only"):
+                plot[pol_name] = per_policy_plot_data(reqs)
+        plots[name] = plot
+    return rows, plots, extras
+
+
+def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[str, Any]]:
+    """The learned policy with one action dimension frozen at a time (mean over seeds)."""
+    variants: list[tuple[str, dict[int, int]]] = [("all dimensions", {})]
+    if len(grid.widths) > 1:
+        variants.append(("W = 1", {1: grid.widths.index(1) if 1 in grid.widths else 0}))
+    if len(grid.lams) > 1:
+        variants.append(("λ = 0", {2: grid.lams.index(0.0) if 0.0 in grid.lams else 0}))
+    if len(grid.rules) > 1:
+        off = grid.rules.index(("all", 0.0)) if ("all", 0.0) in grid.rules else 0
+        variants.append(("verification rule off", {3: off}))
+    out = []
+    for label, pin in variants:
+        vals = []
+        for fp in frozen:
+            reqs = run_requests(env, test_ids, frozen_runner(fp, env, pin), "index")
+            vals.append(summarize(reqs).committed_per_cost)
+        out.append({"variant": label, "committed_per_cost": float(np.mean(vals))})
+    # K fixed: the static-best-train depth, the rest as the policy chooses
+    k_best = _unflat(env, int(np.argmin(static_costs(env, train_ids))))[0]
+    vals = [summarize(run_requests(env, test_ids, frozen_runner(fp, env, {0: k_best}), "index")).committed_per_cost
+            for fp in frozen]  # fmt: skip
+    out.append({"variant": f"K fixed = {grid.depths[k_best]}", "committed_per_cost": float(np.mean(vals))})
+    return out

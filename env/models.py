@@ -1,0 +1,114 @@
+"""The models an environment runs or a trace was recorded with: zoo names or folders -> target + drafter.
+
+    target, drafter, info = load_models("tiny-moe", "eagle-head", predictor="expert-predictor")
+
+`drafter` is an `engine.drafting` Drafter ready for `engine.Engine(target, drafter=drafter)` (a feature-head
+folder, a dense HF folder, or None); `info` names both with their weight digests (SHA-256 of the
+*.safetensors, 16 hex digits), which a trace records and replay checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import engine
+from engine.drafting.make import make_drafter
+from engine.models.feature_heads import target_digest
+from engine.paths import repo_relative, zoo_dir
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Names and digests of a (target, drafter, predictor) triple, as stored in a trace's metadata."""
+
+    target_path: str
+    target_digest: str | None
+    drafter_name: str
+    drafter_path: str | None
+    drafter_digest: str | None
+    predictor_path: str | None
+    predictor_digest: str | None
+
+    def target_meta(self, target: engine.Model) -> dict[str, Any]:
+        cfg = target.config
+        return {
+            "path": self.target_path,
+            "digest": self.target_digest,
+            "model_type": cfg.model_type,
+            "num_moe_layers": len(target.moe_blocks),
+            "num_experts": cfg.num_experts if cfg.is_moe else 0,
+            "top_r": cfg.top_r if cfg.is_moe else 0,
+            "vocab_size": target.vocab_size,
+            "hidden_size": cfg.hidden_size,
+        }
+
+    def drafter_meta(self) -> dict[str, Any]:
+        return {
+            "name": self.drafter_name,
+            "path": self.drafter_path,
+            "digest": self.drafter_digest,
+            "predictor": self.predictor_path,
+            "predictor_digest": self.predictor_digest,
+        }
+
+
+def resolve_model_path(name: str | Path) -> Path:
+    """A zoo name ("tiny-moe", "eagle-head", ...) or a folder (relative paths from the repository root)."""
+    p = Path(name)
+    if not p.is_absolute() and (zoo_dir() / p / "config.json").is_file():
+        return zoo_dir() / p
+    path = repo_relative(p)
+    if path is None or not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {str(name)!r} is neither a zoo name (folders in {zoo_dir()}) nor a folder with config.json"
+        )
+    return path
+
+
+def folder_digest(path: str | Path | None) -> str | None:
+    """SHA-256 (16 hex digits) of a folder's *.safetensors files (None for no folder)."""
+    if path is None:
+        return None
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_models(
+    target: str | Path = "tiny-moe",
+    drafter: str | Path | None = "eagle-head",
+    predictor: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[engine.Model, Any, ModelInfo]:
+    """(target Model, Drafter or None, ModelInfo). drafter: a feature-head folder (EAGLE / MTP), a dense HF
+    folder, or None; predictor: an expert-predictor folder for λ > 0, or None."""
+    target_path = resolve_model_path(target)
+    model = engine.load_model(target_path, dtype=dtype)
+    drafter_obj = drafter_path = pred_path = None
+    if drafter is not None and str(drafter) != "":
+        drafter_path = resolve_model_path(drafter)
+        pred_path = resolve_model_path(predictor) if predictor else None
+        model_type = json.loads((drafter_path / "config.json").read_text()).get("model_type")
+        options = {"predictor": str(pred_path)} if pred_path is not None else {}
+        if model_type in engine.SUPPORTED_MODEL_TYPES:
+            drafter_obj = make_drafter(engine.load_model(drafter_path, dtype=dtype), model, **options)
+        else:
+            drafter_obj = make_drafter(str(drafter_path), model, **options)
+    name = "none" if drafter_path is None else drafter_path.name + (f"+{pred_path.name}" if pred_path else "")
+    info = ModelInfo(
+        target_path=str(target_path),
+        target_digest=target_digest(model),
+        drafter_name=name,
+        drafter_path=None if drafter_path is None else str(drafter_path),
+        drafter_digest=folder_digest(drafter_path),
+        predictor_path=None if pred_path is None else str(pred_path),
+        predictor_digest=folder_digest(pred_path),
+    )
+    return model, drafter_obj, info

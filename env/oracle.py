@@ -1,0 +1,159 @@
+"""The hindsight oracle: the best any controller could do on a trace, by dynamic programming over positions.
+
+In replay an action's outcome at a position (committed tokens, cost) does not depend on the history
+(env.tables), so for one request with continuation length T
+
+    best[T] = 0
+    best[t] = max_a  r(t, a) + best[t + committed(t, a)]        objective "return": r = R − T_spec / T_AR
+    best[t] = min_a  T_spec(t, a) + best[t + committed(t, a)]   objective "cost":   least total seconds
+
+(committed >= 1, so the recursion runs backwards over t). best[0] bounds the episode return (or time)
+of every policy over the grid: no controller can beat it on its trace. It reads the future, so it is a
+policy only in replay: `HindsightOracle(env)` looks up the running episode's position.
+
+Shape letters: T=positions of a request A=grid actions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.spec.config import SpecConfig
+
+OBJECTIVES = ("return", "cost")
+
+
+@dataclass(frozen=True)
+class OraclePlan:
+    request: int
+    objective: str
+    value: np.ndarray  # [T + 1] best return-to-go (or least cost-to-go) from each local position
+    action: np.ndarray  # [T] flat grid action achieving it
+    committed: np.ndarray  # [T, A] committed tokens of every action (the DP's transitions)
+
+    @property
+    def best(self) -> float:
+        return float(self.value[0])
+
+    def path(self) -> list[tuple[int, int]]:
+        """(position, flat action) along the optimal episode."""
+        out, t = [], 0
+        while t < len(self.action):
+            out.append((t, int(self.action[t])))
+            t += int(self.committed[t, self.action[t]])
+        return out
+
+
+def plan(env: Any, request: int, objective: str = "return") -> OraclePlan:
+    """The DP of the module docstring for `request` of a ReplayEnv's trace and grid."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    tables = env.unwrapped.tables
+    positions = env.unwrapped.trace.positions_of(request)
+    p0, T = positions.start, len(positions)
+    committed = tables.committed_pa[p0 : p0 + T].astype(np.int64)  # [T, A]
+    cost = tables.cost[p0 : p0 + T]  # [T, A]
+    reward = committed - cost / tables.ar[p0 : p0 + T, None]
+    value = np.zeros(T + 1)
+    action = np.zeros(T, dtype=np.int64)
+    for t in range(T - 1, -1, -1):
+        nxt = np.minimum(t + committed[t], T)
+        if objective == "return":
+            total = reward[t] + value[nxt]
+            a = int(np.argmax(total))
+        else:
+            total = cost[t] + value[nxt]
+            a = int(np.argmin(total))
+        value[t], action[t] = total[a], a
+    return OraclePlan(request=request, objective=objective, value=value, action=action, committed=committed)
+
+
+def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
+    """(episode return [A], total cost [A]) of every static grid action on `request` (vectorised)."""
+    tables = env.unwrapped.tables
+    positions = env.unwrapped.trace.positions_of(request)
+    p0, T = positions.start, len(positions)
+    A = tables.cost.shape[1]
+    t = np.zeros(A, dtype=np.int64)
+    ret, total = np.zeros(A), np.zeros(A)
+    cols = np.arange(A)
+    while True:
+        live = t < T
+        if not live.any():
+            break
+        p = p0 + t[live]
+        c = cols[live]
+        com = tables.committed_pa[p, c].astype(np.int64)
+        cost = tables.cost[p, c]
+        ret[live] += com - cost / tables.ar[p]
+        total[live] += cost
+        t[live] += com
+    return ret, total
+
+
+def headroom(env: Any, requests: list[int] | None = None) -> dict[str, float]:
+    """The oracle's advantage over the best static grid action (one action for the whole workload).
+
+    Returns totals over `requests` (default: all): oracle / best-static return, and speed-up over
+    target-only decoding (Σ T_AR of every committed position / total time) of the least-cost oracle and
+    of the fastest static action."""
+    e = env.unwrapped
+    requests = list(range(e.trace.num_requests)) if requests is None else requests
+    oracle_ret = oracle_cost = ar_total = 0.0
+    static_ret, static_cost = 0.0, 0.0
+    for i in requests:
+        oracle_ret += plan(env, i, "return").best
+        oracle_cost += plan(env, i, "cost").best
+        r, c = static_returns(env, i)
+        static_ret = static_ret + r
+        static_cost = static_cost + c
+        pos = e.trace.positions_of(i)
+        ar_total += float(e.tables.ar[pos.start : pos.stop].sum())
+    best_static = int(np.argmax(static_ret))
+    fastest = int(np.argmin(static_cost))
+    return {
+        "oracle_return": oracle_ret,
+        "best_static_return": float(static_ret[best_static]),
+        "best_static_action": list(e.codec.unflat(best_static)),
+        "oracle_speedup": ar_total / oracle_cost,
+        "best_static_speedup": ar_total / float(static_cost[fastest]),
+        "fastest_static_action": list(e.codec.unflat(fastest)),
+        "headroom_speedup": float(static_cost[fastest]) / oracle_cost,
+    }
+
+
+class HindsightOracle:
+    """The oracle as a policy for a ReplayEnv (it reads the env's running episode: replay only).
+
+    `action(obs)` returns the env action (MultiDiscrete / Box) for the env's current position; `act(obs)`
+    the SpecConfig (ctrl.policies interface)."""
+
+    name = "oracle"
+
+    def __init__(self, env: Any, objective: str = "return") -> None:
+        e = getattr(env, "unwrapped", env)
+        if not hasattr(e, "tables") or not hasattr(e, "trace"):
+            raise TypeError("the hindsight oracle needs a Replay-v0 environment (it reads the recorded future)")
+        self.env, self.objective = e, objective
+        self._plans: dict[int, OraclePlan] = {}
+
+    def reset(self) -> None:
+        pass
+
+    def _index(self) -> tuple[int, int, int, int]:
+        e = self.env
+        if e.request is None:
+            raise RuntimeError("reset the environment before asking the oracle")
+        p = self._plans.get(e.request)
+        if p is None:
+            p = self._plans[e.request] = plan(e, e.request, self.objective)
+        return e.codec.unflat(int(p.action[e.position]))
+
+    def action(self, obs: Any = None) -> np.ndarray:
+        return self.env.codec.encode(self._index())
+
+    def act(self, obs: Any = None) -> SpecConfig:
+        return self.env.grid.spec(self._index())

@@ -1,0 +1,347 @@
+"""`expertspec/Replay-v0`: speculative decoding replayed from a recorded trace, one round per step.
+
+    import gymnasium as gym, env
+    e = gym.make("expertspec/Replay-v0")                        # default trace (built once, cached)
+    e = gym.make("expertspec/Replay-v0", trace=path, cost={"kind": "roofline", "hardware": "h200"})
+    obs, info = e.reset(seed=0)
+    obs, reward, terminated, truncated, info = e.step(e.action_space.sample())
+
+One step = one round (draft -> verify -> commit) of one request; an episode = one request of the trace
+(drawn with the env's seed, or `reset(options={"request": i})`) until EOS (terminated) or its token
+budget (truncated). Greedy and drafter-invariant seeded sampling traces replay exactly: every action's
+outcome at every position was precomputed (env.tables), so a step is a lookup plus the observation.
+
+Observation (Box [0, 1]^OBS_DIM, float32): `engine.runtime.observation.observe` over the RoundStats this
+env builds, the function the live env and a policy deployed in the engine call (table in that module):
+
+    acceptance-by-depth EMA a_1..a_8, last accepted length, committed EMA, draft confidence per depth of
+    the last round (raw, calibrated), footprint U_l/(n·r), new (layer, expert) pairs per node, overlap
+    with the previous round, rank imbalance, cross-node ratio, last / EMA utility, T_spec/T_AR, position
+    in the request, batch size, last built depth, first-round flag
+
+Action: env.actions.ActionGrid — MultiDiscrete [K 0..Kmax, W index, λ index, rule index] or its Box
+variant (`action_kind="box"`). Out-of-space actions raise ValueError.
+
+Reward: R_t − T_t / T_AR,t (tokens gained over plain decoding in the same time; deterministic). Its sum
+over an episode of N tokens is N − Σ T_t/T_AR,t, so K = 0 everywhere scores exactly 0. `info` carries
+the raw parts: committed, accepted, verified, drafted, cost (T_spec), cost_draft, cost_verify, cost_book,
+cost_ar, distinct_experts (Σ_l U_l), utility, position, request.
+
+Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid
+or its fields; widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its
+fields), routing ("auto" | "recorded" | "synthetic"), calibration (confidence -> P(accepted)),
+requests (indices to draw from), target_digest / drafter_digest (checked against the trace).
+`validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from engine.runtime.action_grid import ActionGrid
+from engine.runtime.observation import OBS_DIM, observe
+from engine.runtime.stats import RoundStats
+from engine.spec.config import SpecConfig
+from env.actions import ActionCodec, as_grid
+from env.costs import CostConf, make_cost_model, uses_recorded_routing
+from env.tables import PositionReplayer, ReplayTables, load_or_build_tables, routing_for
+from env.trace import Trace, load_trace
+
+Calibration = Callable[[float, int], float]
+
+
+def as_cost_conf(cost: CostConf | dict | str | None) -> CostConf:
+    if cost is None:
+        return CostConf()
+    if isinstance(cost, CostConf):
+        return cost
+    if isinstance(cost, str):
+        return CostConf(kind=cost)
+    if isinstance(cost, Mapping):
+        known = {f.name for f in fields(CostConf)}
+        unknown = sorted(set(cost) - known)
+        if unknown:
+            raise ValueError(f"unknown cost fields {unknown}; CostConf has {sorted(known)}")
+        return CostConf(**cost)
+    raise TypeError(f"cost must be a CostConf, a dict of its fields, a kind name or None, got {type(cost).__name__}")
+
+
+def check_grid_against_trace(grid: ActionGrid, trace: Trace) -> None:
+    missing = [w for w in grid.widths if w not in trace.widths]
+    if missing:
+        raise ValueError(f"grid widths {missing} were not recorded in the trace (widths {trace.widths})")
+    if grid.max_depth > trace.kmax:
+        raise ValueError(f"grid depth {grid.max_depth} exceeds the trace's recorded Kmax {trace.kmax}")
+    if grid.frontier not in (None,):
+        raise ValueError(f"the trace recorded frontier = W trees; grid frontier {grid.frontier} is not replayable")
+    if any(x > 0 for x in grid.lams) and not trace.has_predictions:
+        raise ValueError(
+            f"grid λ {grid.lams} has λ > 0 but the trace has no predicted experts (its drafter had no expert "
+            "predictor): use lams=(0.0,) or record with a predictor"
+        )
+
+
+class ReplayEnv(gym.Env):
+    """See the module docstring."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        trace: str | Path | Trace | None = None,
+        *,
+        grid: ActionGrid | dict | None = None,
+        action_kind: str = "multidiscrete",
+        cost: CostConf | dict | str | None = None,
+        routing: str = "auto",
+        calibration: Calibration | None = None,
+        requests: Sequence[int] | None = None,
+        target_digest: str | None = None,
+        drafter_digest: str | None = None,
+        cache: bool = True,
+    ) -> None:
+        super().__init__()
+        cost_conf = as_cost_conf(cost)
+        grid = as_grid(grid)
+        if routing not in ("auto", "recorded", "synthetic"):
+            raise ValueError(f"routing must be 'auto', 'recorded' or 'synthetic', got {routing!r}")
+        self.codec = ActionCodec(grid, action_kind)  # validates action_kind before any work
+        self.action_space = self.codec.space
+        if trace is None:
+            from env.default import default_trace
+
+            trace = default_trace()
+        elif not isinstance(trace, Trace):
+            trace = load_trace(trace)
+        trace.check_models(target_digest, drafter_digest)
+        self.trace = trace
+        self.cost_model = make_cost_model(cost_conf, trace.meta["target"], trace.meta["drafter"]["name"], trace)
+        recorded = uses_recorded_routing(self.cost_model, trace.meta["target"])
+        if routing == "recorded" and not recorded:
+            raise ValueError(f"routing 'recorded' needs the priced model to have the target's shape; "
+                             f"{self.cost_model.name} routes {self.cost_model.routing_shape}")  # fmt: skip
+        self.routing = "recorded" if (recorded and routing != "synthetic") else "synthetic"
+        check_grid_against_trace(grid, trace)
+        self.grid, self.action_kind = grid, action_kind
+        self.cost_conf = cost_conf
+        self.calibration = calibration
+        self.observation_space = spaces.Box(0.0, 1.0, shape=(OBS_DIM,), dtype=np.float32)
+        n_req = trace.num_requests
+        self.requests = list(range(n_req)) if requests is None else [int(i) for i in requests]
+        if not self.requests or any(not 0 <= i < n_req for i in self.requests):
+            raise ValueError(f"requests must be indices in 0..{n_req - 1}, got {requests}")
+        self.tables: ReplayTables = load_or_build_tables(trace, grid, self.cost_model, self.routing,
+                                                         cost_conf.router_seed, cache)  # fmt: skip
+        self._prepare_lookups()
+        self.max_new_tokens = int(trace.meta["max_new_tokens"])
+        self.request: int | None = None
+        self._replayers: dict[int, PositionReplayer] = {}  # off-grid SpecConfig actions, built on demand
+        self._cache = cache
+        self._routing = None
+
+    # ------------------------------------------------------------------ fast lookups
+    def _prepare_lookups(self) -> None:
+        t = self.tables
+        self._pairs = t.pair_ints()
+        self._popcount = [p.bit_count() for p in self._pairs]
+        self._acc, self._com, self._n = t.o_accepted.tolist(), t.o_committed.tolist(), t.o_n.tolist()
+        self._built, self._bonus, self._rej = t.o_built.tolist(), t.o_bonus.tolist(), t.o_rejection.tolist()
+        self._tried, self._reuse, self._new = t.o_tried.tolist(), t.o_reuse.tolist(), t.o_new_pairs.tolist()
+        self._distinct = t.o_distinct.tolist()
+        self._verify, self._book = t.o_verify.tolist(), t.o_book.tolist()
+        self._conf = [row[:b].tolist() for row, b in zip(t.o_confidence, self._built)]
+        self._tpe = t.o_tokens_per_expert if t.o_tokens_per_expert.size else None
+        self._outcome, self._cost, self._draft = t.outcome.tolist(), t.cost.tolist(), t.draft_cost.tolist()
+        self._ar = t.ar.tolist()
+        self._specs = {}
+        self.routing_shape = tuple(self.cost_model.routing_shape)
+
+    def _spec_fields(self, idx: tuple[int, int, int, int]) -> tuple[int, int, float, str]:
+        s = self._specs.get(idx)
+        if s is None:
+            spec = self.grid.spec(idx)
+            s = self._specs[idx] = (spec.depth, spec.width, spec.lam, spec.verify_rule)
+        return s
+
+    def _off_grid(self, spec: SpecConfig, p: int):
+        """(outcome record, T_spec, T_draft, T_AR) of any SpecConfig at position p, computed on demand."""
+        rp = self._replayers.get(p)
+        if rp is None:
+            if self._routing is None:
+                self._routing = routing_for(self.trace, self.cost_model, self.routing, self.cost_conf.router_seed,
+                                            self._cache)  # fmt: skip
+            req = self.request
+            rp = self._replayers[p] = PositionReplayer(self.trace, p, req, p - self._p0, self._routing,
+                                                       self.cost_model, self.routing == "recorded")  # fmt: skip
+        if spec.lam > 0 and not self.trace.has_predictions:
+            raise ValueError(f"λ = {spec.lam} > 0 needs predicted experts; this trace has none")
+        o = rp.outcome(spec)
+        d = rp.draft_cost(spec, self.trace.has_predictions)
+        return o, d + o.verify + self.cost_model.book(o.n), d, rp.ar
+
+    # ------------------------------------------------------------------ gymnasium API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        if "request" in options:
+            req = int(options["request"])
+            if not 0 <= req < self.trace.num_requests:
+                raise ValueError(f"request {req} outside 0..{self.trace.num_requests - 1}")
+        else:
+            req = self.requests[int(self.np_random.integers(len(self.requests)))]
+        self.request = req
+        self._p0 = self.trace.positions_of(req).start
+        self._T = len(self.trace.positions_of(req))
+        self._finish_eos = bool(self.trace.finish_eos[req])
+        self._prompt_len = len(self.trace.prompt(req))
+        self.position = 0
+        self.rounds: list[RoundStats] = []
+        self._prev_pairs: int | None = None
+        self._actions: list[list[int]] = []
+        self._rewards: list[float] = []
+        self.total_cost = 0.0
+        obs = self._observe()
+        return obs.vector(), {"request": req, "position": 0, "prompt_len": self._prompt_len}
+
+    def _observe(self):
+        L, _, r = self.routing_shape
+        return observe(self.rounds, position=self.position, max_new_tokens=self.max_new_tokens,
+                       prompt_len=self._prompt_len, batch_size=1, calibration=self.calibration,
+                       top_k=r, num_moe_layers=L)  # fmt: skip
+
+    def step(self, action: Any):
+        if self.request is None or self.position >= self._T:
+            raise RuntimeError("call reset() before step() (and again after an episode ends)")
+        p = self._p0 + self.position
+        if isinstance(action, SpecConfig):  # any SpecConfig the trace covers (heuristic policies), not precomputed
+            rec, cost, draft, ar = self._off_grid(action, p)
+            k, width, lam, rule = action.depth, action.width, action.lam, action.verify_rule
+            built, acc, com, n, tried = rec.built, rec.accepted, rec.committed, rec.n, rec.tried
+            pairs, popcount, rej = rec.pairs, rec.pairs.bit_count(), rec.rejection
+            bonus, conf, new_pairs, distinct = rec.bonus, list(rec.confidence), rec.new_pairs, list(rec.distinct)
+            tpe = None if rec.tokens_per_expert is None else torch.from_numpy(rec.tokens_per_expert)
+            reuse, verify, book = rec.reuse, rec.verify, self.cost_model.book(rec.n)
+            idx: Any = action
+        else:
+            idx = self.codec.decode(action)
+            a = self.codec.flat(idx)
+            o = self._outcome[p][a]
+            cost, ar, draft = self._cost[p][a], self._ar[p], self._draft[p][a]
+            k, width, lam, rule = self._spec_fields(idx)
+            built, acc, com, n, tried = self._built[o], self._acc[o], self._com[o], self._n[o], self._tried[o]
+            pairs, popcount, rej = self._pairs[o], self._popcount[o], self._rej[o]
+            bonus, conf, new_pairs, distinct = self._bonus[o], self._conf[o], self._new[o], self._distinct[o]
+            tpe = None if self._tpe is None else torch.from_numpy(self._tpe[o])
+            reuse, verify, book = self._reuse[o], self._verify[o], self._book[o]
+        overlap = None
+        if self._prev_pairs is not None:
+            overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)
+        stats = RoundStats(
+            round_index=len(self.rounds),
+            depth=k,
+            width=width,
+            lam=lam,
+            verified_tokens=n,
+            proposed=n - 1,
+            accepted=acc,
+            committed=com,
+            bonus=bonus,
+            rejection_depth=None if rej < 0 else rej,
+            built_depth=built,
+            attempted_by_depth=[1] * tried + [0] * (built - tried),
+            accepted_by_depth=[1] * acc + [0] * (built - acc),
+            draft_confidence=conf,
+            verify_rule=rule,
+            new_pairs_per_node=new_pairs,
+            distinct_experts=distinct,
+            tokens_per_expert=tpe,
+            reuse=reuse,
+            overlap_prev=overlap,
+            round_seconds=cost,
+            cost=cost,
+            cost_ar=ar,
+        )
+        self.rounds.append(stats)
+        self._prev_pairs = pairs
+        self.position += com
+        self.total_cost += cost
+        reward = com - cost / ar
+        self._actions.append(list(idx) if not isinstance(idx, SpecConfig) else idx)
+        self._rewards.append(reward)
+        done = self.position >= self._T
+        terminated = done and self._finish_eos
+        truncated = done and not self._finish_eos
+        obs = self._observe().vector()
+        info = {
+            "committed": com,
+            "accepted": acc,
+            "verified": n,
+            "drafted": n - 1,
+            "cost": cost,
+            "cost_draft": draft,
+            "cost_verify": verify,
+            "cost_book": book,
+            "cost_ar": ar,
+            "distinct_experts": sum(distinct),
+            "utility": com * ar / cost,
+            "position": self.position,
+            "request": self.request,
+        }
+        return obs, reward, terminated, truncated, info
+
+    # ------------------------------------------------------------------ states and validation
+    def episode_state(self) -> dict[str, Any]:
+        """The current (or last) episode as a replayable state (CompilerGym-style)."""
+        return {
+            "env": "expertspec/Replay-v0",
+            "trace": self.trace.digest,
+            "request": self.request,
+            "actions": [a if isinstance(a, SpecConfig) else list(a) for a in self._actions],
+            "rewards": list(self._rewards),
+            "committed": [s.committed for s in self.rounds],
+            "accepted": [s.accepted for s in self.rounds],
+            "distinct_experts": [list(s.distinct_experts) for s in self.rounds],
+            "cost": [s.cost for s in self.rounds],
+        }
+
+    def validate(self, state: dict[str, Any], rtol: float = 0.0) -> dict[str, Any]:
+        """Replay `state` (episode_state() of this or the live env) and compare every recorded field.
+
+        Returns {"ok", "steps", "mismatches": [(step, field, recorded, replayed)]}; leaves this env reset to
+        a fresh episode of the state's request. Costs compare with relative tolerance `rtol`."""
+        if state.get("trace") not in (None, self.trace.digest):
+            raise ValueError(f"state was recorded on trace {state.get('trace')}, this env replays {self.trace.digest}")
+        self.reset(options={"request": int(state["request"])})
+        mismatches = []
+        fields_exact = ("committed", "accepted", "distinct_experts")
+        for i, a in enumerate(state["actions"]):
+            action = a if isinstance(a, SpecConfig) else self.codec.encode(a)
+            _, reward, term, trunc, info = self.step(action)
+            s = self.rounds[-1]
+            got = {"committed": s.committed, "accepted": s.accepted, "distinct_experts": list(s.distinct_experts)}
+            for f in fields_exact:
+                if f in state and i < len(state[f]) and state[f][i] != got[f]:
+                    mismatches.append((i, f, state[f][i], got[f]))
+            for f, value in (("rewards", reward), ("cost", s.cost)):
+                if f in state and i < len(state[f]) and not math.isclose(state[f][i], value, rel_tol=rtol, abs_tol=0.0):
+                    mismatches.append((i, f, state[f][i], value))
+            if term or trunc:
+                if i + 1 != len(state["actions"]):
+                    mismatches.append((i, "length", len(state["actions"]), i + 1))
+                break
+        return {"ok": not mismatches, "steps": len(self.rounds), "mismatches": mismatches}
+
+    # ------------------------------------------------------------------ oracle access
+    @property
+    def current_position(self) -> int:
+        """Global trace position of the next round of the running episode."""
+        return self._p0 + self.position

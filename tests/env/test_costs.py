@@ -1,0 +1,84 @@
+"""Cost models and identity-keyed routing shared by the two environments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.cost.drafter_cost import DrafterRoofline, draft_forward_sizes, fit_drafter_cost, load_drafter_spec
+from engine.cost.node_router import NodeRouter, child_key
+from engine.cost.roofline import RooflineCost, load_hardware, load_model_spec
+from engine.runtime.footprint import round_footprint
+from env.costs import RooflineCostModel
+from env.tables import footprint_of
+
+SPECS = ["qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "gpt_oss_120b", "mixtral_8x7b", "olmoe_1b_7b"]
+
+
+@pytest.mark.parametrize("hardware", ["h100", "cpu"])
+@pytest.mark.parametrize("spec_name", ["qwen3_30b_a3b", "deepseek_v3", "mixtral_8x7b"])
+def test_roofline_verify_equals_engine_roofline(hardware, spec_name):
+    spec = load_model_spec(spec_name)
+    ours = RooflineCostModel(hardware, spec, f"{spec_name}_eagle3")
+    ref = RooflineCost(load_hardware(hardware), spec)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 33, 400):
+        ids = [torch.rand(n, spec.num_experts, generator=g).topk(spec.top_r, -1).indices for _ in range(spec.num_moe_layers)]
+        counts = np.stack([np.bincount(i.reshape(-1).numpy(), minlength=spec.num_experts) for i in ids])
+        got = ours.verify(n, int((counts > 0).sum()), 300, counts if ours.needs_counts(n) else None)
+        assert got == pytest.approx(ref.forward_cost(ids, 300).total, rel=1e-12)
+
+
+def test_every_model_spec_has_two_drafter_specs():
+    hw = load_hardware("h100")
+    for name in SPECS:
+        for kind in ("eagle3", "mtp"):
+            d = DrafterRoofline(hw, load_drafter_spec(f"{name}_{kind}"))
+            costs = [d.round_cost(k, 2, 512) for k in range(0, 9)]
+            assert costs[0] == 0.0 and all(b > a for a, b in zip(costs, costs[1:]))
+    with pytest.raises(ValueError, match="unknown drafter_spec"):
+        load_drafter_spec("gpt5_eagle9")
+
+
+def test_drafter_fit_recovers_constants():
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(40):
+        k, w, a = int(rng.integers(1, 9)), int(rng.integers(1, 5)), bool(rng.integers(2))
+        sizes = draft_forward_sizes(k, w, a)
+        samples.append((k, w, a, 1e-3 + 2e-4 * len(sizes) + 5e-5 * sum(sizes)))
+    fit = fit_drafter_cost(samples)
+    assert (fit.fixed, fit.per_forward, fit.per_token) == pytest.approx((1e-3, 2e-4, 5e-5), rel=1e-6)
+    assert fit.round_cost(0, 3) == 0.0
+
+
+def test_node_router_is_keyed_on_identity():
+    router = NodeRouter(64, 8, 6, seed=3)
+    root = router.sequence_key([5, 6, 7])
+    lat = router.latent([root], None)[0]
+    # the same path in two different trees routes identically (siblings never matter)
+    ids_a, lat_a, keys_a = router.route_tree(root, lat, [7, 11, 12, 13], [-1, 0, 1, 0])
+    ids_b, lat_b, keys_b = router.route_tree(root, lat, [7, 13, 11, 12, 99], [-1, 0, 0, 2, 1])
+    assert np.array_equal(ids_a[1], ids_b[2]) and np.array_equal(ids_a[2], ids_b[3]) and np.array_equal(ids_a[3], ids_b[1])
+    # a committed token routes like the node it was drafted as
+    k = child_key(root, 11)
+    assert k == keys_a[1] and np.array_equal(router.route(router.latent([k], lat[None]))[0], ids_a[1])
+    # top-r distinct experts per layer; consecutive tokens share experts above chance
+    assert all(len(set(row.tolist())) == 8 for row in ids_a.reshape(-1, 8))
+    chain = [lat]
+    key = root
+    for t in range(200):
+        key = child_key(key, t)
+        chain.append(router.latent([key], chain[-1][None])[0])
+    ids = router.route(np.stack(chain))  # [T, L, r]
+    overlap = np.mean([len(set(ids[t, l]) & set(ids[t + 1, l])) / 8 for t in range(200) for l in range(6)])
+    assert overlap > 8 / 64 + 0.05
+
+
+def test_footprint_of_is_round_footprint():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 16, (9, 4, 2), generator=g)
+    a = footprint_of(ids.numpy(), 16)
+    b = round_footprint([ids[:, l] for l in range(4)], 16, None)
+    assert a.distinct_experts == b.distinct_experts and a.reuse == b.reuse and a.new_pairs_per_node == b.new_pairs_per_node

@@ -1,0 +1,113 @@
+"""Live-v0: the Gymnasium / SB3 contract, and replay == live for static policies (greedy and seeded sampling)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env as gym_check_env
+from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+import env  # noqa: F401
+from engine.spec.config import SpecConfig
+from env.live import LiveEnv
+from env.replay import ReplayEnv
+
+from conftest import SMALL_GRID, TRACE_TOKENS  # noqa: E402
+
+COSTS = {
+    "roofline-target": {"kind": "roofline", "model_spec": "target", "hardware": "h100"},
+    "roofline-qwen3-30b": {"kind": "roofline", "model_spec": "qwen3_30b_a3b", "hardware": "h200"},
+}
+FIELDS = ("accepted", "committed", "verified_tokens", "built_depth", "distinct_experts", "bonus", "rejection_depth",
+          "attempted_by_depth", "accepted_by_depth", "new_pairs_per_node", "reuse", "overlap_prev", "cost", "cost_ar")  # fmt: skip
+
+
+@pytest.fixture
+def live_factory(zoo_models):
+    made = []
+
+    def make(**kw):
+        for e in made:  # the envs share one drafter: only one open session at a time
+            e.close()
+        kw.setdefault("grid", SMALL_GRID)
+        kw.setdefault("cost", COSTS["roofline-target"])
+        e = LiveEnv(models=zoo_models, num_prompts=2, max_new_tokens=TRACE_TOKENS, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.mark.parametrize("kind", ["multidiscrete", "box"])
+def test_gymnasium_and_sb3_checkers(live_factory, kind):
+    e = live_factory(action_kind=kind)
+    gym_check_env(e, skip_render_check=True)
+    sb3_check_env(e, warn=True)
+
+
+def _static_policies(replay):
+    costs = replay.cost_model.verify_costs(24)
+    return [
+        ("K4 W2 all", np.array([3, 1, 0, 0])),
+        ("K8 W3 threshold 0.1", np.array([4, 2, 0, 1])),
+        ("K1 W1", np.array([1, 0, 0, 0])),
+        ("K6 W3 λ=1 budget 6", SpecConfig(depth=6, width=3, lam=1.0, max_verify=6)),
+        ("K8 W2 goodput", SpecConfig(depth=8, width=2, verify_rule="goodput", verify_costs=costs)),
+    ]
+
+
+@pytest.mark.parametrize("trace_name", ["greedy_trace", "sampled_trace"])
+@pytest.mark.parametrize("cost_name", list(COSTS))
+def test_replay_equals_live(request, live_factory, trace_name, cost_name):
+    trace = request.getfixturevalue(trace_name)
+    cost = COSTS[cost_name]
+    s = trace.meta["sampling"]
+    sampling = None if s["temperature"] == 0 else {"temperature": s["temperature"], "seed": s["seed"]}
+    replay = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False)
+    live = live_factory(cost=cost, sampling=sampling)
+    assert live.prompts == [trace.prompt(i).tolist() for i in range(trace.num_requests)]
+    for name, action in _static_policies(replay):
+        for req in range(trace.num_requests):
+            o1, _ = replay.reset(options={"request": req})
+            o2, _ = live.reset(options={"request": req})
+            assert np.array_equal(o1, o2)
+            while True:
+                o1, r1, t1, u1, i1 = replay.step(action)
+                o2, r2, t2, u2, i2 = live.step(action)
+                a, b = replay.rounds[-1], live.session.requests[0].rounds[-1]
+                for f in FIELDS:
+                    assert getattr(a, f) == getattr(b, f), (name, req, len(replay.rounds), f)
+                assert a.draft_confidence == pytest.approx(b.draft_confidence, rel=1e-4, abs=1e-6)
+                assert (r1, t1, u1) == (r2, t2, u2), (name, req)
+                np.testing.assert_allclose(o1, o2, atol=1e-5)
+                if t1 or u1:
+                    break
+            assert live.session.results()[0].token_ids == trace.continuation_of(req).tolist()
+
+
+def test_live_episode_validates_in_replay(greedy_trace, live_factory):
+    live = live_factory(cost=COSTS["roofline-qwen3-30b"])
+    replay = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=COSTS["roofline-qwen3-30b"], cache=False)
+    live.action_space.seed(4)
+    live.reset(seed=4)
+    while True:
+        *_, term, trunc, _ = live.step(live.action_space.sample())
+        if term or trunc:
+            break
+    state = live.episode_state()
+    res = replay.validate(state)
+    assert res["ok"], res["mismatches"][:3]
+
+
+def test_batch_variant_prices_the_union(live_factory):
+    e = live_factory(batch_size=2)
+    e.reset(seed=0)
+    _, r, term, trunc, info = e.step(np.array([3, 1, 0, 0]))
+    assert np.isfinite(r) and info["committed"] >= 2
+    rounds = [req.rounds[-1] for req in e.session.requests]
+    assert info["distinct_experts"] <= sum(sum(x.distinct_experts) for x in rounds)
+    assert info["verified"] == sum(x.verified_tokens for x in rounds)
+    while not (term or trunc):
+        *_, term, trunc, info = e.step(e.action_space.sample())

@@ -1,0 +1,85 @@
+"""Recording: the continuation is the target's own, interrupted recordings resume, bad input fails early."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine
+from env.record import RecordConf, SamplingConf, WorkloadConf, record
+from env.trace import load_trace
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_continuation_is_target_only_decoding(greedy_trace, sampled_trace, zoo_models):
+    target = zoo_models[0]
+    eng = engine.Engine(target)
+    for tr in (greedy_trace, sampled_trace):
+        s = tr.meta["sampling"]
+        for i in range(tr.num_requests):
+            params = engine.SamplingParams()
+            if s["temperature"] > 0:
+                params = engine.SamplingParams(temperature=s["temperature"], seed=s["seed"] + i, mode="position")
+            res = eng.generate([tr.prompt(i).tolist()], tr.meta["max_new_tokens"], sampling=params, eos_token_id=0)[0]
+            assert res.token_ids == tr.continuation_of(i).tolist()
+            assert bool(tr.finish_eos[i]) == (res.finish_reason == "eos")
+
+
+def test_resume_after_interruption_keeps_finished_requests(zoo_models, tmp_path):
+    conf = RecordConf(max_new_tokens=6, widths=[1, 2], kmax=4, workload=WorkloadConf(n=2), out=str(tmp_path / "r.npz"),
+                      calibrate_every=0)  # fmt: skip
+    calls = []
+
+    def boom():
+        calls.append(1)
+        if len(calls) == 8:  # inside the second request
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        record(conf, models=zoo_models, on_position=boom)
+    assert (tmp_path / "r.parts" / "req-00000.npz").is_file() and not (tmp_path / "r.npz").exists()
+    calls.clear()
+    resumed = []
+    trace = record(conf, models=zoo_models, on_position=lambda: resumed.append(1), on_start=lambda n, d: resumed.append(("start", n, d)))
+    assert resumed[0] == ("start", 2, 1)  # one request resumed from its shard
+    assert len(resumed) - 1 == len(trace.positions_of(1))  # only the second request was recorded again
+    assert not (tmp_path / "r.parts").exists()
+    assert record(conf, models=zoo_models).digest == trace.digest  # a finished trace is a cache hit
+
+
+def test_bad_input_fails_before_work(zoo_models, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no usable prompts"):
+        record(RecordConf(workload=WorkloadConf(prompts=str(empty)), out=str(tmp_path / "x.npz")), models=zoo_models)
+    with pytest.raises(ValueError, match="mode=position"):
+        record(RecordConf(sampling=SamplingConf(temperature=0.7, mode="generator")), models=zoo_models)
+    with pytest.raises(ValueError, match="widths"):
+        record(RecordConf(widths=[0]), models=zoo_models)
+
+
+def test_fastchat_jsonl_workload(zoo_models, tmp_path):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"question_id": 1, "category": "writing", "turns": ["Write a haiku about experts."]}\n'
+                 '{"prompt": "def add(a, b):\\n    return"}\n')  # fmt: skip
+    conf = RecordConf(max_new_tokens=4, widths=[1], kmax=2, workload=WorkloadConf(prompts=str(q), n=8),
+                      out=str(tmp_path / "q.npz"), calibrate_every=0)  # fmt: skip
+    trace = record(conf, models=zoo_models)
+    assert trace.num_requests == 2 and trace.meta["workload"]["source"] == str(q)
+
+
+def test_record_entry_point_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), EXPERTSPEC_CACHE=str(tmp_path / "cache"))
+    out = tmp_path / "cli.npz"
+    cmd = [sys.executable, "-m", "env.record", "max_new_tokens=3", "kmax=2", "widths=[1,2]", "workload.n=1",
+           "calibrate_every=0", f"out={out}", "progress=false"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 requests" in proc.stdout
+    assert load_trace(out).num_requests == 1
