@@ -1,0 +1,196 @@
+"""The main job and the learned-policy path: `python -m ctrl` smoke run, freezing, deployment in the engine,
+W&B tracking modes, Hydra composition, and clear errors before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engine
+from ctrl.config import MainConf
+from ctrl.pipeline import check_conf, grid_of, replay_env, split
+from ctrl.train import AlgoConf, WandbConf, train_policy
+from engine.paths import zoo_path
+from engine.runtime.frozen import load_frozen_policy
+from engine.runtime.observation import OBS_DIM
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = {"static-best-train", "static-best-test", "cascade", "evict", "ucb", "disco", "sglang-adaptive",
+            "vllm-table", "vllm-goodput", "ppo", "oracle", "target-only"}  # fmt: skip
+ROW_FIELDS = {"policy", "workload", "backend", "cost_model", "exact", "committed_per_cost",
+              "committed_per_expert_execution", "speedup_vs_ar", "tau", "mean_distinct_experts", "p50_tpot",
+              "p95_tpot", "p99_tpot", "frac_requests_slowed"}  # fmt: skip
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "EXPERTSPEC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("main")
+    run = tmp / "run"
+    cmd = [sys.executable, "-m", "ctrl", "+experiment=main_smoke", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, run, proc
+
+
+def test_main_job_smoke_writes_results_report_and_plots(smoke_run):
+    _, run, proc = smoke_run
+    rows = json.loads((run / "results.json").read_text())
+    assert {r["policy"] for r in rows} >= FAMILIES
+    assert all(set(r) >= ROW_FIELDS for r in rows)
+    assert {r["cost_model"] for r in rows} == {"roofline-h200-qwen3_30b_a3b", "measured-cpu"}
+    for r in rows:  # the oracle bounds every policy on its own trace and cost model
+        oracle = next(o for o in rows if o["policy"] == "oracle" and o["workload"] == r["workload"]
+                      and o["cost_model"] == r["cost_model"])  # fmt: skip
+        assert r["committed_per_cost"] <= oracle["committed_per_cost"] * (1 + 1e-9), r["policy"]
+        assert np.isfinite(r["committed_per_cost"]) and r["committed_per_cost"] > 0
+    report = (run / "report.md").read_text()
+    assert "## Exact methods" in report and "static-best-train" in report and "share of the oracle" in report
+    assert list((run / "plots").rglob("policies.png")) and list((run / "policies").rglob("policy.pt"))
+    assert "speed-up over target-only decoding" in proc.stdout and "report:" in proc.stdout
+
+
+def test_main_job_second_run_reuses_traces_and_policies(smoke_run):
+    tmp, _, first = smoke_run
+    run2 = tmp / "run2"
+    cmd = [sys.executable, "-m", "ctrl", "+experiment=main_smoke", f"hydra.run.dir={run2}"]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train PPO" not in proc.stderr  # cached frozen policies: no retraining
+    a = json.loads((tmp / "run" / "results.json").read_text())
+    b = json.loads((run2 / "results.json").read_text())
+    assert [(r["policy"], r["committed_per_cost"]) for r in a] == [(r["policy"], r["committed_per_cost"]) for r in b]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, smoke_run):
+    """A frozen PPO policy trained for a few hundred steps on the smoke traces, and its SB3 model."""
+    tmp, _, _ = smoke_run
+    os.environ["EXPERTSPEC_CACHE"] = str(tmp / "cache")
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module(config_module="conf", version_base=None):
+        conf = OmegaConf.to_object(compose(config_name="main", overrides=["+experiment=main_smoke"]))
+    from ctrl.pipeline import record_traces
+
+    traces = record_traces(conf)
+    trace = traces["code"]
+    grid = grid_of(conf)
+    train_ids, _ = split(trace, conf)
+    algo = AlgoConf(total_timesteps=256, n_envs=1, n_steps=64, batch_size=64, n_epochs=1)
+    out = tmp_path_factory.mktemp("policy")
+    path, _ = train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids), grid, algo, 0, out,
+                           WandbConf(mode="disabled"))  # fmt: skip
+    return conf, trace, grid, path
+
+
+def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
+    conf, trace, grid, path = trained
+    policy = load_frozen_policy(path)
+    env = replay_env(trace, conf.costs[0], grid)
+    e = env.unwrapped
+    vec, _ = e.reset(options={"request": 0})
+    done = False
+    while not done:  # the env's observation vector and the Observation object give the same decision
+        obs = e._observe()
+        assert np.array_equal(obs.vector(), vec)
+        assert grid.spec(policy.act_index(vec)) == policy.act(obs)
+        vec, _, term, trunc, _ = e.step(e.codec.encode(policy.act_index(vec)))
+        done = term or trunc
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        v = rng.random(OBS_DIM).astype(np.float32)
+        assert policy.act_index(v) == policy.act_index(v.copy())
+
+
+def test_deployed_policy_is_exact_in_the_engine(trained):
+    _, _, _, path = trained
+    target = engine.load_model(zoo_path("tiny-moe"))
+    from engine.workloads import code_prompts, encode
+
+    prompts = encode(target.tokenizer, code_prompts(2), 40)
+    eng = engine.Engine(target, drafter=str(zoo_path("eagle-head")), predictor=str(zoo_path("expert-predictor")))
+    base = [r.token_ids for r in eng.generate(prompts, 16)]
+    assert [r.token_ids for r in eng.generate(prompts, 16, policy=str(path))] == base
+    sampled = [engine.SamplingParams(temperature=0.8, seed=3 + i, mode="position") for i in range(2)]
+    ref = [r.token_ids for r in eng.generate(prompts, 16, sampling=sampled)]
+    assert [r.token_ids for r in eng.generate(prompts, 16, sampling=sampled, policy=str(path))] == ref
+
+
+def test_policy_from_another_observation_layout_is_refused(trained, tmp_path):
+    import shutil
+
+    _, _, _, path = trained
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    card = json.loads((bad / "policy.json").read_text())
+    card["obs_signature"] = "expertspec-obs-v0:000000000000"
+    (bad / "policy.json").write_text(json.dumps(card))
+    with pytest.raises(ValueError, match="observation layout"):
+        load_frozen_policy(bad)
+    with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):
+        load_frozen_policy(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_wandb_modes(trained, tmp_path, mode):
+    conf, trace, grid, _ = trained
+    train_ids, _ = split(trace, conf)
+    algo = AlgoConf(total_timesteps=128, n_envs=1, n_steps=64, batch_size=64, n_epochs=1)
+    train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids), grid, algo, 0, tmp_path,
+                 WandbConf(mode=mode))  # fmt: skip
+    runs = list((tmp_path / "wandb").glob("offline-run-*")) if (tmp_path / "wandb").exists() else []
+    if mode == "offline":
+        assert runs, "an offline W&B run directory is written"
+    else:
+        assert not (tmp_path / "wandb").exists()
+
+
+def test_configs_compose():
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    import engine.zoo.configs  # noqa: F401  (registers the zoo / train_heads schemas)
+    from env.record import _register
+
+    _register()
+    with initialize_config_module(config_module="conf", version_base=None):
+        default = OmegaConf.to_object(compose(config_name="main"))
+        smoke = OmegaConf.to_object(compose(config_name="main", overrides=["+experiment=main_smoke", "seeds=[4]"]))
+        for name in ("record", "zoo", "train_heads"):
+            assert compose(config_name=name) is not None
+        for group in ("replay", "live"):
+            assert compose(config_name=f"env/{group}")["env"]["_target_"].startswith("env.")
+    assert isinstance(default, MainConf) and isinstance(smoke, MainConf)
+    assert default.workloads.names == ["code", "prose", "chat", "math"] and len(default.seeds) >= 3
+    assert smoke.seeds == [4] and smoke.algo.total_timesteps < default.algo.total_timesteps
+    assert smoke.algo.learning_rate == default.algo.learning_rate  # presets change only what they name
+
+
+def test_bad_configuration_fails_before_any_work(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ctrl", "nope=1"], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "nope" in proc.stderr
+    conf = MainConf()
+    conf.workloads.names = ["poetry"]
+    with pytest.raises(ValueError, match="unknown workloads"):
+        check_conf(conf)
+    conf = MainConf()
+    conf.costs[0].hardware = "tpu9"
+    with pytest.raises((ValueError, FileNotFoundError), match="tpu9"):
+        check_conf(conf)
+    conf = MainConf()
+    conf.policies = ["magic"]
+    with pytest.raises(ValueError, match="unknown policy"):
+        check_conf(conf)
+    assert not (tmp_path / "cache").exists()
