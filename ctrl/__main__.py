@@ -49,8 +49,10 @@ def boundary(cost, conf: MainConf) -> str:
         return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} (experts resident, one device, no "
                 "EP), routing of the priced model from the identity-keyed synthetic router, drafter priced as an "
                 f"EAGLE-3-style head ({cost.drafter_spec}). " + common)  # fmt: skip
-    return ("Cost: this machine's measured cost (2 CPU cores, one thread), the engine's fitted model of target "
-            "verification plus the drafter's own fitted cost, both fitted on the trace's timed samples. " + common)
+    return (
+        "Cost: this machine's measured cost (2 CPU cores, one thread), the engine's fitted model of target "
+        "verification plus the drafter's own fitted cost, both fitted on the trace's timed samples. " + common
+    )
 
 
 def _policy_cache(conf: MainConf, traces, cost) -> Path:
@@ -65,9 +67,9 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     w = conf.workloads
     names = list(w.names) + ([w.prompts] if w.prompts else [])
-    bar = tqdm(total=len(names) * (w.train + w.test), desc="record traces (requests)", disable=not conf.progress)
-    traces = record_traces(conf, on_start=lambda n, done: bar.update(0))
-    bar.update(bar.total - bar.n)
+    total = len(names) * (w.train + w.test) * w.max_new_tokens  # positions (fewer when a request hits EOS)
+    bar = tqdm(total=total, desc="record traces (positions; cached traces are skipped)", disable=not conf.progress)
+    traces = record_traces(conf, on_position=lambda: bar.update(1))
     bar.close()
     t_record = time.perf_counter() - t0
     rows, extras, policies = [], {}, {}

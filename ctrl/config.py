@@ -11,9 +11,30 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from ctrl.train import AlgoConf, WandbConf
-
 BUILTIN_WORKLOADS = ["code", "prose", "chat", "math"]
+
+
+@dataclass
+class AlgoConf:
+    name: str = "ppo"
+    total_timesteps: int = 30_000
+    n_envs: int = 4
+    n_steps: int = 256
+    batch_size: int = 256
+    n_epochs: int = 6
+    learning_rate: float = 3e-4
+    gamma: float = 0.95  # rounds are short horizons: what a round buys shows up within a few rounds
+    gae_lambda: float = 0.9
+    ent_coef: float = 0.01
+    net_arch: list[int] = field(default_factory=lambda: [64, 64])
+    normalize_reward: bool = True
+
+
+@dataclass
+class WandbConf:
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "expertspec"
+    dir: str | None = None  # None: the run's output folder
 
 
 @dataclass

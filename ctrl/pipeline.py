@@ -250,7 +250,7 @@ def as_dict(conf: Any) -> dict[str, Any]:
 def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: Path, progress=None) -> list[Path]:
     """PPO over every workload's training requests (one replay env per workload, round-robin over the
     vectorised envs), one frozen policy per seed under `out_dir/<cost name>/seed<k>`."""
-    from ctrl.train import train_seeds
+    from ctrl.agent import train_seeds
 
     grid = grid_of(conf)
     names = sorted(traces)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import engine
-from ctrl.config import MainConf
+from ctrl.agent import train_policy
+from ctrl.config import AlgoConf, MainConf, WandbConf
 from ctrl.pipeline import check_conf, grid_of, replay_env, split
-from ctrl.train import AlgoConf, WandbConf, train_policy
 from engine.paths import zoo_path
 from engine.runtime.frozen import load_frozen_policy
 from engine.runtime.observation import OBS_DIM
@@ -75,7 +75,8 @@ def test_main_job_second_run_reuses_traces_and_policies(smoke_run):
 def trained(tmp_path_factory, smoke_run):
     """A frozen PPO policy trained for a few hundred steps on the smoke traces, and its SB3 model."""
     tmp, _, _ = smoke_run
-    os.environ["EXPERTSPEC_CACHE"] = str(tmp / "cache")
+    old = os.environ.get("EXPERTSPEC_CACHE")
+    os.environ["EXPERTSPEC_CACHE"] = str(tmp / "cache")  # the smoke run's traces: nothing is recorded again
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
@@ -91,7 +92,11 @@ def trained(tmp_path_factory, smoke_run):
     out = tmp_path_factory.mktemp("policy")
     path, _ = train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids), grid, algo, 0, out,
                            WandbConf(mode="disabled"))  # fmt: skip
-    return conf, trace, grid, path
+    yield conf, trace, grid, path
+    if old is None:
+        os.environ.pop("EXPERTSPEC_CACHE", None)
+    else:
+        os.environ["EXPERTSPEC_CACHE"] = old
 
 
 def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
