@@ -80,8 +80,9 @@ class ActionCodec:
             except Exception as err:  # noqa: BLE001 - anything array-like is accepted, the rest refused
                 raise ValueError(f"action {action!r} is not array-like") from err
             if x.shape != (4,) or not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
-                raise ValueError(f"action {action!r} must be 4 integers (K, W, λ, rule indices) in "
-                                 f"MultiDiscrete({self.nvec})")  # fmt: skip
+                raise ValueError(
+                    f"action {action!r} must be 4 integers (K, W, λ, rule indices) in MultiDiscrete({self.nvec})"
+                )
             return self.grid.check(x.tolist())
         try:
             x = np.asarray(action, dtype=np.float64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,15 @@ class BenchConf:
     trace: str | None = None  # None: the default trace
     seed: int = 0
     out: str | None = None  # JSON results
+    headroom: bool = True  # the oracle's advantage over the best static action, per cost model
+    headroom_costs: list[str] = field(
+        default_factory=lambda: [
+            "roofline:h100:qwen3_30b_a3b",
+            "roofline:h100:target",
+            "roofline:h200:qwen3_235b_a22b",
+            "fitted",
+        ]
+    )
 
 
 def bench_replay(env, steps: int, seed: int) -> dict[str, float]:
@@ -75,9 +84,25 @@ def run(conf: BenchConf) -> dict[str, float]:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     replay = ReplayEnv(conf.trace)
-    res: dict = {"setup_seconds": time.perf_counter() - t0, "trace": str(replay.trace.path),
-                 "actions": int(replay.codec.num_actions), "cost": replay.cost_model.name}  # fmt: skip
+    res: dict = {
+        "setup_seconds": time.perf_counter() - t0,
+        "trace": str(replay.trace.path),
+        "actions": int(replay.codec.num_actions),
+        "cost": replay.cost_model.name,
+    }
     res.update(bench_replay(replay, conf.steps, conf.seed))
+    if conf.headroom:
+        from env.oracle import headroom
+
+        for name in conf.headroom_costs:
+            kind, *rest = name.split(":")
+            cost = {"kind": kind} if not rest else {"kind": kind, "hardware": rest[0], "model_spec": rest[1]}
+            h = headroom(ReplayEnv(replay.trace, cost=cost))
+            res[f"headroom[{name}]"] = (
+                f"oracle speed-up {h['oracle_speedup']:.3f} vs best static {h['best_static_speedup']:.3f} "
+                f"{h['fastest_static_action']} (x{h['headroom_speedup']:.3f}); return {h['oracle_return']:.1f} vs "
+                f"{h['best_static_return']:.1f}"
+            )
     if conf.live_steps > 0:
         live = LiveEnv()
         res.update(bench_live(live, conf.live_steps, conf.seed))
@@ -100,7 +125,13 @@ def main() -> None:
         conf = BenchConf(**OmegaConf.to_container(cfg))
         res = run(conf)
         for k, v in res.items():
-            print(f"{k:40s} {v:,.0f}" if isinstance(v, float) and v > 100 else f"{k:40s} {v}")
+            print(
+                f"{k:40s} {v:,.0f}"
+                if isinstance(v, float) and v > 100
+                else f"{k:40s} {v:.3g}"
+                if isinstance(v, float)
+                else f"{k:40s} {v}"
+            )
         if conf.out:
             with open(conf.out, "w") as f:
                 json.dump({**res, "config": asdict(conf)}, f, indent=2)

@@ -135,8 +135,15 @@ class CostModel:
         for m in range(max_nodes + 1):
             n = m + 1
             distinct = L * E * (1.0 - (1.0 - r / E) ** n)
-            out.append(self.verify(n, int(round(distinct)), context_len, None if not self.needs_counts(n) else
-                                   _uniform_counts(L, E, r, n)) / ar)  # fmt: skip
+            out.append(
+                self.verify(
+                    n,
+                    int(round(distinct)),
+                    context_len,
+                    None if not self.needs_counts(n) else _uniform_counts(L, E, r, n),
+                )
+                / ar
+            )
         return tuple(float(x) for x in out)
 
 
@@ -179,9 +186,12 @@ class RooflineCostModel(CostModel):
             s.attn_params * s.dense_weight_bytes + (context_len + n) * s.kv_bytes,
             s.attention_flops(n, context_len),  # MLA-aware (engine.cost.roofline.ModelSpec)
         )
-        dense_ffn = self._roof(3 * s.hidden_size * s.dense_ffn_dim * s.dense_weight_bytes,
-                               6.0 * n * s.hidden_size * s.dense_ffn_dim)  # fmt: skip
-        router = self._roof(s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts)
+        dense_ffn = self._roof(
+            3 * s.hidden_size * s.dense_ffn_dim * s.dense_weight_bytes, 6.0 * n * s.hidden_size * s.dense_ffn_dim
+        )
+        router = self._roof(
+            s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts
+        )
         shared = 0.0
         if n > 0 and s.num_shared_experts:
             params = 3 * s.hidden_size * s.shared_expert_dim * s.num_shared_experts
@@ -194,7 +204,9 @@ class RooflineCostModel(CostModel):
             experts = float(np.maximum(self._expert_mem, self._expert_flops_per_token * t).sum())
         else:
             experts = distinct_total * self._expert_mem
-        lm_head = self._roof(s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size)
+        lm_head = self._roof(
+            s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size
+        )
         return (
             s.num_dense_layers * (attn + dense_ffn + launch)
             + s.num_moe_layers * (attn + router + shared + launch)
@@ -212,11 +224,17 @@ class FittedCostModel(CostModel):
 
     deterministic = True
 
-    def __init__(self, target: DecodeVerifyCost, drafter: FittedDrafterCost, routing_shape: tuple[int, int, int]) -> None:
+    def __init__(
+        self, target: DecodeVerifyCost, drafter: FittedDrafterCost, routing_shape: tuple[int, int, int]
+    ) -> None:
         self.target, self.drafter_fit = target, drafter
         self.routing_shape = routing_shape
         self.name = "fitted"
-        self.params = [dataclasses.asdict(target.decode), dataclasses.asdict(target.verify), dataclasses.asdict(drafter)]
+        self.params = [
+            dataclasses.asdict(target.decode),
+            dataclasses.asdict(target.verify),
+            dataclasses.asdict(drafter),
+        ]
 
     def verify(self, n: int, distinct_total: int, context_len: int, counts: np.ndarray | None = None) -> float:
         m = self.target.decode if n <= 1 else self.target.verify
@@ -247,11 +265,24 @@ class FittedCostModel(CostModel):
             req = int(np.searchsorted(cont_offsets, p, side="right") - 1)
             t = int(p - cont_offsets[req])
             context = int(prompt_offsets[req + 1] - prompt_offsets[req]) + t - 1
-            samples.append(CostSample([torch.from_numpy(routing[:, l].astype(np.int64)) for l in range(routing.shape[1])],
-                                      context, float(a["cal_target_seconds"][s])))  # fmt: skip
+            samples.append(
+                CostSample(
+                    [torch.from_numpy(routing[:, l].astype(np.int64)) for l in range(routing.shape[1])],
+                    context,
+                    float(a["cal_target_seconds"][s]),
+                )
+            )
         target = fit_two_regimes(samples)
-        drafter = fit_drafter_cost(list(zip(a["cal_draft_depth"].tolist(), a["cal_draft_width"].tolist(),
-                                            a["cal_draft_aware"].tolist(), a["cal_draft_seconds"].tolist())))  # fmt: skip
+        drafter = fit_drafter_cost(
+            list(
+                zip(
+                    a["cal_draft_depth"].tolist(),
+                    a["cal_draft_width"].tolist(),
+                    a["cal_draft_aware"].tolist(),
+                    a["cal_draft_seconds"].tolist(),
+                )
+            )
+        )
         return cls(target, drafter, (trace.num_moe_layers, trace.num_experts, trace.top_r))
 
 
@@ -279,8 +310,9 @@ def _head_spec_for(cfg: dict[str, Any]) -> DrafterSpec:
     )
 
 
-def make_cost_model(conf: CostConf, target_meta: dict[str, Any], drafter_name: str | None = None,
-                    trace: Any = None) -> CostModel:  # fmt: skip
+def make_cost_model(
+    conf: CostConf, target_meta: dict[str, Any], drafter_name: str | None = None, trace: Any = None
+) -> CostModel:
     """The CostModel of `conf` for a target described by `target_meta` (a trace's meta["target"]).
 
     Unknown hardware / model / drafter specs raise ValueError before any work; "fitted" needs `trace`."""

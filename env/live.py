@@ -39,9 +39,9 @@ from gymnasium import spaces
 
 import engine
 from engine.cost.node_router import NodeRouter, child_key
+from engine.runtime.action_grid import ActionGrid
 from engine.runtime.observation import OBS_DIM, observe
 from engine.runtime.stats import RoundStats
-from engine.spec.config import NO_SPEC
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
@@ -119,7 +119,9 @@ class LiveEnv(gym.Env):
         self.codec = ActionCodec(grid, action_kind)
         self.action_space = self.codec.space
         measured = (cost == "measured") or (isinstance(cost, Mapping) and cost.get("kind") == "measured")
-        cost_conf = as_cost_conf({**(dict(cost) if isinstance(cost, Mapping) else {}), "kind": "fitted"} if measured else cost)
+        cost_conf = as_cost_conf(
+            {**(dict(cost) if isinstance(cost, Mapping) else {}), "kind": "fitted"} if measured else cost
+        )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if max_new_tokens < 2:
@@ -139,7 +141,11 @@ class LiveEnv(gym.Env):
             self.cost_model = make_cost_model(cost_conf, meta, info.drafter_name, fit_trace)
         shape_model = self.cost_model
         self.recorded = shape_model is None or uses_recorded_routing(shape_model, meta)
-        L, E, r = (meta["num_moe_layers"], meta["num_experts"], meta["top_r"]) if shape_model is None else shape_model.routing_shape
+        L, E, r = (
+            (meta["num_moe_layers"], meta["num_experts"], meta["top_r"])
+            if shape_model is None
+            else shape_model.routing_shape
+        )
         self.routing_shape = (L, E, r)
         self.router = None if self.recorded else NodeRouter(E, r, L, seed=cost_conf.router_seed)
         self.grid, self.action_kind = grid, action_kind
@@ -156,7 +162,9 @@ class LiveEnv(gym.Env):
         if prompts is None:
             if target_model.tokenizer is None:
                 raise ValueError("the target has no tokenizer.json: pass prompts as token ids")
-            prompts = encode(target_model.tokenizer, workload(workload_name, num_prompts, prompts_path), max_prompt_tokens)
+            prompts = encode(
+                target_model.tokenizer, workload(workload_name, num_prompts, prompts_path), max_prompt_tokens
+            )
         self.prompts = [list(map(int, p)) for p in prompts if len(p) >= 2]
         if not self.prompts:
             raise ValueError("the workload has no usable prompts (need at least one prompt of >= 2 tokens)")
@@ -185,8 +193,12 @@ class LiveEnv(gym.Env):
             stats.overlap_prev = None if prev is None else (pairs & prev).bit_count() / max(pairs.bit_count(), 1)
             self._prev_pairs[rid] = pairs
         if self.measured:
-            cost = RoundCost(draft=stats.time.get("draft", 0.0), verify=stats.round_seconds - stats.time.get("draft", 0.0),
-                             book=0.0, ar=self._ar_measured)  # fmt: skip
+            cost = RoundCost(
+                draft=stats.time.get("draft", 0.0),
+                verify=stats.round_seconds - stats.time.get("draft", 0.0),
+                book=0.0,
+                ar=self._ar_measured,
+            )
         else:
             aware = spec.lam > 0 and self.drafter.predicts_experts
             counts = None
@@ -243,15 +255,28 @@ class LiveEnv(gym.Env):
         self._actions: list[list[int]] = []
         self._rewards: list[float] = []
         self._stats: list[RoundStats] = []
-        return self._observe(), {"request": first, "batch": list(self.batch), "position": 0, "prompt_len": len(prompts[0])}
+        return self._observe(), {
+            "request": first,
+            "batch": list(self.batch),
+            "position": 0,
+            "prompt_len": len(prompts[0]),
+        }
 
     def _observe(self) -> np.ndarray:
         L, _, r = self.routing_shape
         s = self.session
         rid = s.active[0] if s.active else 0
         req = s.requests[rid]
-        obs = observe(req.rounds, position=len(req.new_tokens), max_new_tokens=req.max_new, prompt_len=len(req.prompt),
-                      batch_size=max(len(s.active), 1), calibration=self.calibration, top_k=r, num_moe_layers=L)  # fmt: skip
+        obs = observe(
+            req.rounds,
+            position=len(req.new_tokens),
+            max_new_tokens=req.max_new,
+            prompt_len=len(req.prompt),
+            batch_size=max(len(s.active), 1),
+            calibration=self.calibration,
+            top_k=r,
+            num_moe_layers=L,
+        )
         return obs.vector()
 
     def step(self, action: Any):
@@ -265,8 +290,10 @@ class LiveEnv(gym.Env):
         s = self.session
         active = list(s.active)
         before = {rid: list(s.requests[rid].tokens) for rid in active}
-        self._pending = [(rid, len(before[rid]) - 1, s.requests[rid].max_new - len(s.requests[rid].new_tokens), spec)
-                         for rid in active]  # fmt: skip
+        self._pending = [
+            (rid, len(before[rid]) - 1, s.requests[rid].max_new - len(s.requests[rid].new_tokens), spec)
+            for rid in active
+        ]
         self._contexts = [ctx for _, ctx, _, _ in self._pending]
         stats = s.step([spec] * len(active))
         committed = 0
@@ -314,16 +341,28 @@ class LiveEnv(gym.Env):
     def _final_obs(self, rid: int) -> np.ndarray:
         L, _, r = self.routing_shape
         req = self.session.requests[rid]
-        return observe(req.rounds, position=len(req.new_tokens), max_new_tokens=req.max_new, prompt_len=len(req.prompt),
-                       batch_size=1, calibration=self.calibration, top_k=r, num_moe_layers=L).vector()  # fmt: skip
+        return observe(
+            req.rounds,
+            position=len(req.new_tokens),
+            max_new_tokens=req.max_new,
+            prompt_len=len(req.prompt),
+            batch_size=1,
+            calibration=self.calibration,
+            top_k=r,
+            num_moe_layers=L,
+        ).vector()
 
     def _batch_cost(self, active: list[int], stats: list[RoundStats], costs: list[RoundCost]) -> RoundCost:
         """One batched forward: Σ n tokens over the union of the batch's experts; drafting batched too."""
         self._last_union = 0
         if self.measured or self.cost_model is None:
             st = stats[0]
-            return RoundCost(draft=st.time.get("draft", 0.0), verify=st.round_seconds - st.time.get("draft", 0.0),
-                             book=0.0, ar=self._ar_measured)  # fmt: skip
+            return RoundCost(
+                draft=st.time.get("draft", 0.0),
+                verify=st.round_seconds - st.time.get("draft", 0.0),
+                book=0.0,
+                ar=self._ar_measured,
+            )
         n = sum(x.verified_tokens for x in stats)
         if self.router is None:
             union = torch.zeros_like(stats[0].tokens_per_expert, dtype=torch.bool)
@@ -343,8 +382,9 @@ class LiveEnv(gym.Env):
         B = len(active)
         verify = self.cost_model.verify(n, distinct, ctx, counts_np if self.cost_model.needs_counts(n) else None)
         roots = int(round(L * E * (1.0 - (1.0 - r / E) ** B)))  # B roots under independent routing
-        ar = self.cost_model.verify(B, roots, ctx, None if not self.cost_model.needs_counts(B) else
-                                    np.full((L, E), -(-B * r // E)))  # fmt: skip
+        ar = self.cost_model.verify(
+            B, roots, ctx, None if not self.cost_model.needs_counts(B) else np.full((L, E), -(-B * r // E))
+        )
         draft = max(c.draft for c in costs)  # one batched drafter forward per depth: priced as the deepest request's
         return RoundCost(draft=draft, verify=verify, book=0.0, ar=ar)
 
@@ -359,6 +399,12 @@ class LiveEnv(gym.Env):
         return {
             "env": "expertspec/Live-v0",
             "trace": None,
+            "prompt": list(self.prompts[self.request]) if self.request is not None else None,
+            "sampling": None
+            if self.sampling.greedy
+            else {"temperature": self.sampling.temperature, "seed": self._params(self.request or 0).seed},
+            "target_digest": self.info_models.target_digest,
+            "drafter_digest": self.info_models.drafter_digest,
             "request": self.request,
             "actions": [a if isinstance(a, engine.SpecConfig) else list(a) for a in self._actions],
             "rewards": list(self._rewards),

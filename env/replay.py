@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +127,10 @@ class ReplayEnv(gym.Env):
         self.cost_model = make_cost_model(cost_conf, trace.meta["target"], trace.meta["drafter"]["name"], trace)
         recorded = uses_recorded_routing(self.cost_model, trace.meta["target"])
         if routing == "recorded" and not recorded:
-            raise ValueError(f"routing 'recorded' needs the priced model to have the target's shape; "
-                             f"{self.cost_model.name} routes {self.cost_model.routing_shape}")  # fmt: skip
+            raise ValueError(
+                f"routing 'recorded' needs the priced model to have the target's shape; "
+                f"{self.cost_model.name} routes {self.cost_model.routing_shape}"
+            )
         self.routing = "recorded" if (recorded and routing != "synthetic") else "synthetic"
         check_grid_against_trace(grid, trace)
         self.grid, self.action_kind = grid, action_kind
@@ -139,8 +141,9 @@ class ReplayEnv(gym.Env):
         self.requests = list(range(n_req)) if requests is None else [int(i) for i in requests]
         if not self.requests or any(not 0 <= i < n_req for i in self.requests):
             raise ValueError(f"requests must be indices in 0..{n_req - 1}, got {requests}")
-        self.tables: ReplayTables = load_or_build_tables(trace, grid, self.cost_model, self.routing,
-                                                         cost_conf.router_seed, cache)  # fmt: skip
+        self.tables: ReplayTables = load_or_build_tables(
+            trace, grid, self.cost_model, self.routing, cost_conf.router_seed, cache
+        )
         self._prepare_lookups()
         self.max_new_tokens = int(trace.meta["max_new_tokens"])
         self.request: int | None = None
@@ -177,11 +180,13 @@ class ReplayEnv(gym.Env):
         rp = self._replayers.get(p)
         if rp is None:
             if self._routing is None:
-                self._routing = routing_for(self.trace, self.cost_model, self.routing, self.cost_conf.router_seed,
-                                            self._cache)  # fmt: skip
+                self._routing = routing_for(
+                    self.trace, self.cost_model, self.routing, self.cost_conf.router_seed, self._cache
+                )
             req = self.request
-            rp = self._replayers[p] = PositionReplayer(self.trace, p, req, p - self._p0, self._routing,
-                                                       self.cost_model, self.routing == "recorded")  # fmt: skip
+            rp = self._replayers[p] = PositionReplayer(
+                self.trace, p, req, p - self._p0, self._routing, self.cost_model, self.routing == "recorded"
+            )
         if spec.lam > 0 and not self.trace.has_predictions:
             raise ValueError(f"λ = {spec.lam} > 0 needs predicted experts; this trace has none")
         o = rp.outcome(spec)
@@ -214,9 +219,16 @@ class ReplayEnv(gym.Env):
 
     def _observe(self):
         L, _, r = self.routing_shape
-        return observe(self.rounds, position=self.position, max_new_tokens=self.max_new_tokens,
-                       prompt_len=self._prompt_len, batch_size=1, calibration=self.calibration,
-                       top_k=r, num_moe_layers=L)  # fmt: skip
+        return observe(
+            self.rounds,
+            position=self.position,
+            max_new_tokens=self.max_new_tokens,
+            prompt_len=self._prompt_len,
+            batch_size=1,
+            calibration=self.calibration,
+            top_k=r,
+            num_moe_layers=L,
+        )
 
     def step(self, action: Any):
         if self.request is None or self.position >= self._T:
@@ -320,7 +332,11 @@ class ReplayEnv(gym.Env):
         a fresh episode of the state's request. Costs compare with relative tolerance `rtol`."""
         if state.get("trace") not in (None, self.trace.digest):
             raise ValueError(f"state was recorded on trace {state.get('trace')}, this env replays {self.trace.digest}")
-        self.reset(options={"request": int(state["request"])})
+        self.trace.check_models(state.get("target_digest"), state.get("drafter_digest"))
+        req = int(state["request"])
+        if state.get("prompt") is not None and list(state["prompt"]) != self.trace.prompt(req).tolist():
+            raise ValueError(f"the state's prompt is not request {req}'s prompt in this trace (another workload?)")
+        self.reset(options={"request": req})
         mismatches = []
         fields_exact = ("committed", "accepted", "distinct_experts")
         for i, a in enumerate(state["actions"]):

@@ -42,6 +42,7 @@ from engine.runtime.action_grid import ActionGrid
 from engine.runtime.footprint import round_footprint
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
+from env.actions import ActionCodec
 from env.costs import CostModel
 from env.trace import Trace, atomic_write_bytes
 
@@ -97,8 +98,16 @@ class Outcome:
 class PositionReplayer:
     """Replays any SpecConfig at one trace position (module docstring)."""
 
-    def __init__(self, trace: Trace, p: int, request: int, t: int, routing: np.ndarray, cost: CostModel,
-                 keep_tokens_per_expert: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trace: Trace,
+        p: int,
+        request: int,
+        t: int,
+        routing: np.ndarray,
+        cost: CostModel,
+        keep_tokens_per_expert: bool,
+    ) -> None:
         self.trace, self.p, self.cost = trace, p, cost
         sl = trace.nodes_of(p)
         self.par = trace.node_parent[sl].astype(np.int64)
@@ -145,9 +154,17 @@ class PositionReplayer:
         if spec.depth > self.trace.kmax:
             raise ValueError(f"depth {spec.depth} exceeds the trace's recorded Kmax {self.trace.kmax}")
         kd = self.drafted_depth(spec)
-        key = (kd, spec.width, spec.lam > 0, spec.lam, spec.max_verify, spec.score, spec.verify_rule,
-               spec.verify_threshold if spec.verify_rule == "threshold" else None,
-               spec.verify_costs if spec.verify_rule == "goodput" else None)  # fmt: skip
+        key = (
+            kd,
+            spec.width,
+            spec.lam > 0,
+            spec.lam,
+            spec.max_verify,
+            spec.score,
+            spec.verify_rule,
+            spec.verify_threshold if spec.verify_rule == "threshold" else None,
+            spec.verify_costs if spec.verify_rule == "goodput" else None,
+        )
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -209,8 +226,9 @@ class PositionReplayer:
             accepted, bonus, tried, built = 0, True, 0, 0
         fp = footprint_of(self.ids[nodes], self.cost.routing_shape[1])
         counts = fp.tokens_per_expert.numpy()
-        verify = self.cost.verify(n, int(sum(fp.distinct_experts)), self.context,
-                                  counts if self.cost.needs_counts(n) else None)  # fmt: skip
+        verify = self.cost.verify(
+            n, int(sum(fp.distinct_experts)), self.context, counts if self.cost.needs_counts(n) else None
+        )
         o = Outcome(
             accepted=accepted,
             committed=min(accepted + 1, self.left),
@@ -284,11 +302,15 @@ def replayers(trace: Trace, routing: np.ndarray, cost: CostModel, keep_tpe: bool
             yield p, PositionReplayer(trace, p, i, t, routing, cost, keep_tpe)
 
 
-def build_tables(trace: Trace, grid: ActionGrid, cost: CostModel, routing: np.ndarray, keep_tpe: bool,
-                 on_position: Callable[[], None] | None = None) -> ReplayTables:  # fmt: skip
+def build_tables(
+    trace: Trace,
+    grid: ActionGrid,
+    cost: CostModel,
+    routing: np.ndarray,
+    keep_tpe: bool,
+    on_position: Callable[[], None] | None = None,
+) -> ReplayTables:
     """Precompute ReplayTables for every action of `grid` (module docstring)."""
-    from env.actions import ActionCodec
-
     codec = ActionCodec(grid)
     indices = [codec.unflat(a) for a in range(codec.num_actions)]
     specs = [grid.spec(idx) for idx in indices]
@@ -345,7 +367,9 @@ def build_tables(trace: Trace, grid: ActionGrid, cost: CostModel, routing: np.nd
         o_book=np.asarray([cost.book(o.n) for o in rows]),
         o_pairs=pairs,
         o_confidence=conf,
-        o_tokens_per_expert=np.stack([o.tokens_per_expert for o in rows]) if keep_tpe else np.zeros((O, 0, 0), np.int16),
+        o_tokens_per_expert=np.stack([o.tokens_per_expert for o in rows])
+        if keep_tpe
+        else np.zeros((O, 0, 0), np.int16),
     )
 
 
@@ -370,13 +394,27 @@ def routing_for(trace: Trace, cost: CostModel, routing_mode: str, router_seed: i
 
 
 def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: str, router_seed: int) -> str:
-    blob = [TABLES_VERSION, trace.digest, grid.to_dict(), cost.name, getattr(cost, "params", None), routing_mode,
-            router_seed]  # fmt: skip
+    blob = [
+        TABLES_VERSION,
+        trace.digest,
+        grid.to_dict(),
+        cost.name,
+        getattr(cost, "params", None),
+        routing_mode,
+        router_seed,
+    ]
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_or_build_tables(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: str, router_seed: int = 0,
-                         cache: bool = True, on_position: Callable[[], None] | None = None) -> ReplayTables:  # fmt: skip
+def load_or_build_tables(
+    trace: Trace,
+    grid: ActionGrid,
+    cost: CostModel,
+    routing_mode: str,
+    router_seed: int = 0,
+    cache: bool = True,
+    on_position: Callable[[], None] | None = None,
+) -> ReplayTables:
     """Tables from the cache, else built (and cached when `cache`). routing_mode: "recorded" | "synthetic"."""
     path = cache_dir() / "replay" / f"tables-{tables_key(trace, grid, cost, routing_mode, router_seed)}.npz"
     if cache and path.is_file():

@@ -230,9 +230,7 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_trace(
-    path: str | os.PathLike, target_digest: str | None = None, drafter_digest: str | None = None
-) -> Trace:
+def load_trace(path: str | os.PathLike, target_digest: str | None = None, drafter_digest: str | None = None) -> Trace:
     """Read a trace; TraceError for another format version, a corrupt file or (when given) other model digests."""
     path = Path(path)
     if not path.is_file():

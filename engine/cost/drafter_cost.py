@@ -121,9 +121,7 @@ class DrafterRoofline:
         """T_draft of one round drafting to `depth` with `width` (0 for depth 0)."""
         sizes = draft_forward_sizes(depth, width, expert_aware)
         leaves = len(sizes) - 1 if expert_aware else None  # the leaves' feature step needs no LM head
-        return sum(
-            self.forward_cost(t, context_len + i, lm_head=(i != leaves)) for i, t in enumerate(sizes)
-        )
+        return sum(self.forward_cost(t, context_len + i, lm_head=(i != leaves)) for i, t in enumerate(sizes))
 
 
 @dataclass(frozen=True)

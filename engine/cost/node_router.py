@@ -75,7 +75,9 @@ class NodeRouter:
         self.temporal_share = base.temporal_share.numpy().astype(np.float64)  # [L] q_t
         self.crosslayer_share = base.crosslayer_share.numpy().astype(np.float64)  # [L] q_x
         LE = num_layers * num_experts
-        self._counters = (np.arange(1, 2 * LE + 1, dtype=np.uint64) * np.uint64(_GAMMA)).reshape(2, num_layers, num_experts)
+        self._counters = (np.arange(1, 2 * LE + 1, dtype=np.uint64) * np.uint64(_GAMMA)).reshape(
+            2, num_layers, num_experts
+        )
 
     def sequence_key(self, tokens: Sequence[int]) -> int:
         """Identity of the last token of `tokens` (a prompt: the first round's root)."""

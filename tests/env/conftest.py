@@ -15,7 +15,12 @@ from env.record import RecordConf, SamplingConf, WorkloadConf, record
 torch.set_num_threads(1)
 
 TRACE_TOKENS = 24
-SMALL_GRID = {"depths": [0, 1, 2, 4, 8], "widths": [1, 2, 3], "lams": [0.0], "rules": [["all", 0.0], ["threshold", 0.1]]}
+SMALL_GRID = {
+    "depths": [0, 1, 2, 4, 8],
+    "widths": [1, 2, 3],
+    "lams": [0.0],
+    "rules": [["all", 0.0], ["threshold", 0.1]],
+}
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +30,15 @@ def zoo_models():
 
 
 def _conf(tmp, name: str, **kw) -> RecordConf:
-    return RecordConf(max_new_tokens=TRACE_TOKENS, widths=[1, 2, 3], workload=WorkloadConf(name="mixed", n=2),
-                      out=str(tmp / f"{name}.npz"), calibrate_every=4, progress=False, **kw)  # fmt: skip
+    return RecordConf(
+        max_new_tokens=TRACE_TOKENS,
+        widths=[1, 2, 3],
+        workload=WorkloadConf(name="mixed", n=2),
+        out=str(tmp / f"{name}.npz"),
+        calibrate_every=4,
+        progress=False,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,10 @@ def test_roofline_verify_equals_engine_roofline(hardware, spec_name):
     ref = RooflineCost(load_hardware(hardware), spec)
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 7, 33, 400):
-        ids = [torch.rand(n, spec.num_experts, generator=g).topk(spec.top_r, -1).indices for _ in range(spec.num_moe_layers)]
+        ids = [
+            torch.rand(n, spec.num_experts, generator=g).topk(spec.top_r, -1).indices
+            for _ in range(spec.num_moe_layers)
+        ]
         counts = np.stack([np.bincount(i.reshape(-1).numpy(), minlength=spec.num_experts) for i in ids])
         got = ours.verify(n, int((counts > 0).sum()), 300, counts if ours.needs_counts(n) else None)
         assert got == pytest.approx(ref.forward_cost(ids, 300).total, rel=1e-12)
@@ -60,7 +63,9 @@ def test_node_router_is_keyed_on_identity():
     # the same path in two different trees routes identically (siblings never matter)
     ids_a, lat_a, keys_a = router.route_tree(root, lat, [7, 11, 12, 13], [-1, 0, 1, 0])
     ids_b, lat_b, keys_b = router.route_tree(root, lat, [7, 13, 11, 12, 99], [-1, 0, 0, 2, 1])
-    assert np.array_equal(ids_a[1], ids_b[2]) and np.array_equal(ids_a[2], ids_b[3]) and np.array_equal(ids_a[3], ids_b[1])
+    assert (
+        np.array_equal(ids_a[1], ids_b[2]) and np.array_equal(ids_a[2], ids_b[3]) and np.array_equal(ids_a[3], ids_b[1])
+    )
     # a committed token routes like the node it was drafted as
     k = child_key(root, 11)
     assert k == keys_a[1] and np.array_equal(router.route(router.latent([k], lat[None]))[0], ids_a[1])
@@ -81,4 +86,6 @@ def test_footprint_of_is_round_footprint():
     ids = torch.randint(0, 16, (9, 4, 2), generator=g)
     a = footprint_of(ids.numpy(), 16)
     b = round_footprint([ids[:, l] for l in range(4)], 16, None)
-    assert a.distinct_experts == b.distinct_experts and a.reuse == b.reuse and a.new_pairs_per_node == b.new_pairs_per_node
+    assert (
+        a.distinct_experts == b.distinct_experts and a.reuse == b.reuse and a.new_pairs_per_node == b.new_pairs_per_node
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import SMALL_GRID, TRACE_TOKENS  # noqa: E402
 from gymnasium.utils.env_checker import check_env as gym_check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
@@ -12,14 +13,26 @@ from engine.spec.config import SpecConfig
 from env.live import LiveEnv
 from env.replay import ReplayEnv
 
-from conftest import SMALL_GRID, TRACE_TOKENS  # noqa: E402
-
 COSTS = {
     "roofline-target": {"kind": "roofline", "model_spec": "target", "hardware": "h100"},
     "roofline-qwen3-30b": {"kind": "roofline", "model_spec": "qwen3_30b_a3b", "hardware": "h200"},
 }
-FIELDS = ("accepted", "committed", "verified_tokens", "built_depth", "distinct_experts", "bonus", "rejection_depth",
-          "attempted_by_depth", "accepted_by_depth", "new_pairs_per_node", "reuse", "overlap_prev", "cost", "cost_ar")  # fmt: skip
+FIELDS = (
+    "accepted",
+    "committed",
+    "verified_tokens",
+    "built_depth",
+    "distinct_experts",
+    "bonus",
+    "rejection_depth",
+    "attempted_by_depth",
+    "accepted_by_depth",
+    "new_pairs_per_node",
+    "reuse",
+    "overlap_prev",
+    "cost",
+    "cost_ar",
+)
 
 
 @pytest.fixture

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import SMALL_GRID  # noqa: E402
 
 from env.oracle import HindsightOracle, headroom, plan, static_returns
 from env.replay import ReplayEnv
-
-from conftest import SMALL_GRID  # noqa: E402
 
 COSTS = [{"kind": "roofline", "model_spec": "target"}, {"kind": "roofline"}, {"kind": "fitted"}]
 

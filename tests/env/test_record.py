@@ -13,7 +13,6 @@ import engine
 from env.record import RecordConf, SamplingConf, WorkloadConf, record
 from env.trace import load_trace
 
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -32,8 +31,14 @@ def test_continuation_is_target_only_decoding(greedy_trace, sampled_trace, zoo_m
 
 
 def test_resume_after_interruption_keeps_finished_requests(zoo_models, tmp_path):
-    conf = RecordConf(max_new_tokens=6, widths=[1, 2], kmax=4, workload=WorkloadConf(n=2), out=str(tmp_path / "r.npz"),
-                      calibrate_every=0)  # fmt: skip
+    conf = RecordConf(
+        max_new_tokens=6,
+        widths=[1, 2],
+        kmax=4,
+        workload=WorkloadConf(n=2),
+        out=str(tmp_path / "r.npz"),
+        calibrate_every=0,
+    )
     calls = []
 
     def boom():
@@ -46,7 +51,12 @@ def test_resume_after_interruption_keeps_finished_requests(zoo_models, tmp_path)
     assert (tmp_path / "r.parts" / "req-00000.npz").is_file() and not (tmp_path / "r.npz").exists()
     calls.clear()
     resumed = []
-    trace = record(conf, models=zoo_models, on_position=lambda: resumed.append(1), on_start=lambda n, d: resumed.append(("start", n, d)))
+    trace = record(
+        conf,
+        models=zoo_models,
+        on_position=lambda: resumed.append(1),
+        on_start=lambda n, d: resumed.append(("start", n, d)),
+    )
     assert resumed[0] == ("start", 2, 1)  # one request resumed from its shard
     assert len(resumed) - 1 == len(trace.positions_of(1))  # only the second request was recorded again
     assert not (tmp_path / "r.parts").exists()
@@ -66,10 +76,18 @@ def test_bad_input_fails_before_work(zoo_models, tmp_path):
 
 def test_fastchat_jsonl_workload(zoo_models, tmp_path):
     q = tmp_path / "q.jsonl"
-    q.write_text('{"question_id": 1, "category": "writing", "turns": ["Write a haiku about experts."]}\n'
-                 '{"prompt": "def add(a, b):\\n    return"}\n')  # fmt: skip
-    conf = RecordConf(max_new_tokens=4, widths=[1], kmax=2, workload=WorkloadConf(prompts=str(q), n=8),
-                      out=str(tmp_path / "q.npz"), calibrate_every=0)  # fmt: skip
+    q.write_text(
+        '{"question_id": 1, "category": "writing", "turns": ["Write a haiku about experts."]}\n'
+        '{"prompt": "def add(a, b):\\n    return"}\n'
+    )
+    conf = RecordConf(
+        max_new_tokens=4,
+        widths=[1],
+        kmax=2,
+        workload=WorkloadConf(prompts=str(q), n=8),
+        out=str(tmp_path / "q.npz"),
+        calibrate_every=0,
+    )
     trace = record(conf, models=zoo_models)
     assert trace.num_requests == 2 and trace.meta["workload"]["source"] == str(q)
 
@@ -77,8 +95,18 @@ def test_fastchat_jsonl_workload(zoo_models, tmp_path):
 def test_record_entry_point_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), EXPERTSPEC_CACHE=str(tmp_path / "cache"))
     out = tmp_path / "cli.npz"
-    cmd = [sys.executable, "-m", "env.record", "max_new_tokens=3", "kmax=2", "widths=[1,2]", "workload.n=1",
-           "calibrate_every=0", f"out={out}", "progress=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "env.record",
+        "max_new_tokens=3",
+        "kmax=2",
+        "widths=[1,2]",
+        "workload.n=1",
+        "calibrate_every=0",
+        f"out={out}",
+        "progress=false",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "1 requests" in proc.stdout

@@ -5,14 +5,13 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import pytest
+from conftest import SMALL_GRID  # noqa: E402  (tests/env is on sys.path while pytest runs its conftest)
 from gymnasium.utils.env_checker import check_env as gym_check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import env  # noqa: F401  (registers the ids)
 from engine.spec.config import SpecConfig
 from env.replay import ReplayEnv
-
-from conftest import SMALL_GRID  # noqa: E402  (tests/env is on sys.path while pytest runs its conftest)
 
 ROOFLINE_TARGET = {"kind": "roofline", "model_spec": "target", "hardware": "h100"}
 
@@ -28,8 +27,9 @@ def test_gymnasium_and_sb3_checkers(greedy_trace, kind):
     e = make(greedy_trace, action_kind=kind)
     gym_check_env(e, skip_render_check=True)
     sb3_check_env(e, warn=True)
-    via_make = gym.make("expertspec/Replay-v0", trace=greedy_trace, grid=SMALL_GRID, cost=ROOFLINE_TARGET,
-                        action_kind=kind, cache=False)  # fmt: skip
+    via_make = gym.make(
+        "expertspec/Replay-v0", trace=greedy_trace, grid=SMALL_GRID, cost=ROOFLINE_TARGET, action_kind=kind, cache=False
+    )
     gym_check_env(via_make.unwrapped, skip_render_check=True)
 
 

@@ -70,7 +70,7 @@ def test_tree_k_is_the_depth_k_prefix_of_tree_kmax(zoo_models):
     """The replay's central claim about engine.drafting.tree_growth: with deterministic children (greedy, or
     position-keyed noise), growth is depth by depth, so tree(K, W) = the depth-K prefix of tree(Kmax, W)."""
     target, drafter, _ = zoo_models
-    prompt = target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.").ids
+    prompt = target.tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number.').ids
     gen = torch.Generator().manual_seed(0)
     for params in (engine.SamplingParams(), engine.SamplingParams(temperature=0.7, seed=1, mode="position")):
         for W in (1, 2, 3):
