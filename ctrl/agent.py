@@ -20,6 +20,8 @@ import numpy as np
 
 from ctrl.config import AlgoConf, WandbConf
 
+ALGOS = ("ppo", "aggrevate", "aggrevate+ppo")
+
 
 @dataclass
 class TrainResult:
@@ -61,11 +63,14 @@ def train_policy(
 
     from ctrl.freeze import freeze
 
-    if algo.name != "ppo":
-        raise ValueError(f"algo.name must be 'ppo' (MultiDiscrete actions), got {algo.name!r}")
+    if algo.name not in ALGOS:
+        raise ValueError(f"algo.name must be one of {ALGOS}, got {algo.name!r}")
     torch.manual_seed(seed)
-    venv = DummyVecEnv([lambda r=r: Monitor(make_env(seed * 1000 + r)) for r in range(algo.n_envs)])
-    venv = VecNormalize(venv, norm_obs=True, norm_reward=algo.normalize_reward, gamma=algo.gamma)
+    imitation = algo.name.startswith("aggrevate")
+    raw = [make_env(seed * 1000 + r) for r in range(algo.n_envs)]
+    venv = DummyVecEnv([lambda e=e: Monitor(e) for e in raw])
+    # AggreVaTe fits the actor on the raw observation (already in [0, 1]); PPO alone normalises it
+    venv = VecNormalize(venv, norm_obs=not imitation, norm_reward=algo.normalize_reward, gamma=algo.gamma)
     venv.seed(seed)
     run = _wandb_run(wandb_conf, out_dir, config or {}, seed) if wandb_conf is not None else None
     returns: list[float] = []
@@ -104,8 +109,17 @@ def train_policy(
         device="cpu",
         verbose=0,
     )
-    model.learn(total_timesteps=algo.total_timesteps, callback=Track())
-    path = freeze(model, grid, out_dir / f"seed{seed}", vec_normalize=venv, name="ppo", algo="ppo", seed=seed,
+    if imitation:
+        from ctrl.aggrevate import aggrevate
+
+        regrets = aggrevate(model.policy, raw, [e.unwrapped.requests for e in raw], iterations=algo.iterations,
+                            epochs=algo.epochs, lr=algo.imitation_lr, seed=seed, progress=progress)  # fmt: skip
+        if run is not None:
+            for i, r in enumerate(regrets):
+                run.log({"losses/aggrevate_regret": r, "charts/iteration": i})
+    if algo.name != "aggrevate":
+        model.learn(total_timesteps=algo.total_timesteps, callback=Track())
+    path = freeze(model, grid, out_dir / f"seed{seed}", vec_normalize=venv, name=algo.name, algo=algo.name, seed=seed,
                   total_timesteps=algo.total_timesteps, **(config or {}).get("card", {}))  # fmt: skip
     if run is not None:
         run.summary["charts/final_mean_return"] = float(np.mean(returns[-20:])) if returns else 0.0

@@ -16,7 +16,11 @@ BUILTIN_WORKLOADS = ["code", "prose", "chat", "math"]
 
 @dataclass
 class AlgoConf:
+    # ppo | aggrevate (cost-sensitive imitation of the hindsight oracle, ctrl/aggrevate.py) | aggrevate+ppo
     name: str = "ppo"
+    iterations: int = 6  # AggreVaTe: data-aggregation rounds (oracle share β^i)
+    epochs: int = 30  # AggreVaTe: passes over the aggregated states per round
+    imitation_lr: float = 3e-3
     total_timesteps: int = 30_000
     n_envs: int = 4
     n_steps: int = 256

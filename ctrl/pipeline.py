@@ -118,7 +118,7 @@ def run_request(env: Any, request: int, act: Callable[[Any], Any], kind: str, re
         reset()
     done = False
     while not done:
-        a = act(e._observe()) if kind == "spec" else act(vec)
+        a = act(e.observation()) if kind == "spec" else act(vec)
         vec, _, term, trunc, _ = e.step(a)
         done = term or trunc
     return list(e.rounds)

@@ -48,7 +48,7 @@ import torch
 from gymnasium import spaces
 
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.observation import OBS_DIM, observe
+from engine.runtime.observation import OBS_DIM, History, observe_history
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
@@ -210,6 +210,7 @@ class ReplayEnv(gym.Env):
         self._prompt_len = len(self.trace.prompt(req))
         self.position = 0
         self.rounds: list[RoundStats] = []
+        self._history = History()  # the observation's running folds (engine.runtime.observation)
         self._prev_pairs: int | None = None
         self._actions: list[list[int]] = []
         self._rewards: list[float] = []
@@ -217,10 +218,14 @@ class ReplayEnv(gym.Env):
         obs = self._observe()
         return obs.vector(), {"request": req, "position": 0, "prompt_len": self._prompt_len}
 
+    def observation(self):
+        """The current `engine.runtime.observation.Observation` (what `obs` is the vector of)."""
+        return self._observe()
+
     def _observe(self):
         L, _, r = self.routing_shape
-        return observe(
-            self.rounds,
+        return observe_history(
+            self._history,
             position=self.position,
             max_new_tokens=self.max_new_tokens,
             prompt_len=self._prompt_len,
@@ -283,6 +288,7 @@ class ReplayEnv(gym.Env):
             cost_ar=ar,
         )
         self.rounds.append(stats)
+        self._history.add(stats)
         self._prev_pairs = pairs
         self.position += com
         self.total_cost += cost

@@ -134,8 +134,48 @@ def round_cost(stats: Any) -> tuple[float, float]:
     return float(cost), float(cost_ar or 0.0)
 
 
-def observe(
-    rounds: Sequence[Any],
+@dataclass
+class History:
+    """The running folds `observe` needs over a request's rounds, updated one round at a time (O(1) per round).
+
+    `observe(rounds, ...)` folds a whole list; environments and the engine may keep a History per request and
+    call `observe_history` instead: both run the same `add`, so they agree exactly."""
+
+    acc: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * KMAX)
+    tries: list[int] = field(default_factory=lambda: [0] * KMAX)
+    committed_ema: float = 1.0
+    utility_ema: float = 1.0
+    rounds: int = 0
+    last: Any = None
+
+    def add(self, s: Any) -> None:
+        att, ok = s.attempted_by_depth, s.accepted_by_depth
+        for d in range(min(len(att), KMAX)):
+            if att[d]:
+                self.tries[d] += 1
+                self.acc[d] += EMA * (float(ok[d]) - self.acc[d])
+        self.committed_ema += EMA * (s.committed - self.committed_ema)
+        cost, cost_ar = round_cost(s)
+        u = s.committed * cost_ar / cost if cost > 0 and cost_ar > 0 else 1.0
+        self.utility_ema += EMA * (u - self.utility_ema)
+        self.rounds += 1
+        self.last = s
+
+
+def observe(rounds: Sequence[Any], **context: Any) -> Observation:
+    """Observation before the next round of a request whose previous rounds are `rounds` (RoundStats).
+
+    A pure function of its arguments: replaying the same RoundStats gives the same observation. `context`:
+    position, max_new_tokens, prompt_len, batch_size, calibration, top_k, num_moe_layers, request_id (see
+    `observe_history`)."""
+    h = History()
+    for s in rounds:
+        h.add(s)
+    return observe_history(h, **context)
+
+
+def observe_history(
+    h: History,
     *,
     position: int,
     max_new_tokens: int,
@@ -146,40 +186,24 @@ def observe(
     num_moe_layers: int = 0,
     request_id: int = -1,
 ) -> Observation:
-    """Observation before the next round of a request whose previous rounds are `rounds` (RoundStats).
-
-    A pure function of its arguments: replaying the same RoundStats gives the same observation.
-    """
-    acc = [PRIOR_ACCEPTANCE] * KMAX
-    tries = [0] * KMAX
-    committed_ema, utility_ema = 1.0, 1.0
-    for s in rounds:
-        att, ok = list(s.attempted_by_depth), list(s.accepted_by_depth)
-        for d in range(min(len(att), KMAX)):
-            if att[d]:
-                tries[d] += 1
-                acc[d] += EMA * (float(ok[d]) - acc[d])
-        committed_ema += EMA * (s.committed - committed_ema)
-        cost, cost_ar = round_cost(s)
-        u = s.committed * cost_ar / cost if cost > 0 and cost_ar > 0 else 1.0
-        utility_ema += EMA * (u - utility_ema)
+    """`observe` from a running History (same result as folding its rounds again)."""
     common = dict(
-        acceptance_ema=tuple(acc),
-        attempts_by_depth=tuple(tries),
-        committed_ema=committed_ema,
-        utility_ema=utility_ema,
+        acceptance_ema=tuple(h.acc),
+        attempts_by_depth=tuple(h.tries),
+        committed_ema=h.committed_ema,
+        utility_ema=h.utility_ema,
         position=position,
         max_new_tokens=max_new_tokens,
         prompt_len=prompt_len,
         batch_size=batch_size,
-        round_index=len(rounds),
+        round_index=h.rounds,
         request_id=request_id,
         top_k=top_k,
         num_moe_layers=num_moe_layers,
     )
-    if not rounds:
+    if h.last is None:
         return Observation(**common)
-    s = rounds[-1]
+    s = h.last
     conf = list(s.draft_confidence)[:KMAX]
     cal = [calibration(c, d + 1) for d, c in enumerate(conf)] if calibration is not None else conf
     cost, cost_ar = round_cost(s)

@@ -1,0 +1,119 @@
+"""AggreVaTe with the hindsight oracle's cost-to-go (Ross & Bagnell, arXiv 1406.5979), on trace replay.
+
+In replay an action's outcome at a position does not depend on the history (env.tables), so the exact
+cost-to-go of the hindsight oracle is known everywhere: for a request with T positions
+
+    V*(t)    = best return from position t on (env.oracle.plan, objective "return")
+    Q*(t, a) = R(t, a) − T_spec(t, a)/T_AR(t) + V*(t + R(t, a))          R = committed tokens
+
+AggreVaTe rolls out a mixture of the oracle (probability β_i = β^i at iteration i) and the current policy,
+records the observation of every visited state with its Q*(t, ·) row, aggregates all iterations' states,
+and fits the policy to minimise the expected regret Σ_a π(a | obs) · (max_a' Q* − Q*(t, a)) — cost-sensitive
+imitation of an expert that sees the future, by a policy that sees only the observation. The policy is
+the SB3 actor itself (the MultiDiscrete K × W × λ × rule heads; π(a) is the product of the four heads'
+probabilities), so freezing and a later PPO fine-tune work unchanged.
+
+Shape letters: B=states A=grid actions (flat, env.actions.ActionCodec order) T=positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def oracle_q(env: Any, request: int) -> np.ndarray:
+    """Q*(t, a) [T, A] of every position of `request` and every flat grid action."""
+    from env.oracle import plan
+
+    e = env.unwrapped
+    p = plan(e, request, "return")
+    pos = e.trace.positions_of(request)
+    p0, T = pos.start, len(pos)
+    committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
+    reward = committed - e.tables.cost[p0 : p0 + T] / e.tables.ar[p0 : p0 + T, None]
+    return reward + p.value[np.minimum(np.arange(T)[:, None] + committed, T)]
+
+
+def joint_log_prob(policy: Any, obs: torch.Tensor, nvec: Sequence[int]) -> torch.Tensor:
+    """log π(a | obs) [B, A] over every flat action a from the SB3 MultiCategorical heads."""
+    dist = policy.get_distribution(obs)
+    heads = [torch.log_softmax(d.logits, dim=-1) for d in dist.distribution]  # 4 x [B, n_d]
+    B = obs.shape[0]
+    lp = heads[0].view(B, -1, 1, 1, 1) + heads[1].view(B, 1, -1, 1, 1)
+    lp = lp + heads[2].view(B, 1, 1, -1, 1) + heads[3].view(B, 1, 1, 1, -1)
+    return lp.reshape(B, int(np.prod(nvec)))
+
+
+def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any, beta: float,
+            rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
+    """States visited by the β-mixture of oracle and policy, with their Q* rows."""
+    obs_out, q_out = [], []
+    for env, reqs in zip(envs, requests):
+        e = env.unwrapped
+        for i in reqs:
+            q = oracle_q(e, i)
+            vec, _ = e.reset(options={"request": int(i)})
+            done = False
+            while not done:
+                t = e.position
+                obs_out.append(vec.copy())
+                q_out.append(q[t])
+                if rng.random() < beta:
+                    a = int(np.argmax(q[t]))
+                else:
+                    with torch.no_grad():
+                        lp = joint_log_prob(policy, torch.as_tensor(vec).unsqueeze(0), e.codec.nvec)
+                    a = int(lp.argmax())
+                vec, _, term, trunc, _ = e.step(e.codec.encode(e.codec.unflat(a)))
+                done = term or trunc
+    return obs_out, q_out
+
+
+def aggrevate(
+    policy: Any,
+    envs: Sequence[Any],
+    requests: Sequence[Sequence[int]],
+    iterations: int = 6,
+    epochs: int = 30,
+    batch_size: int = 256,
+    lr: float = 3e-3,
+    beta: float = 0.5,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Fit `policy` (an SB3 ActorCriticPolicy) in place; returns the mean regret after each iteration."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    nvec = envs[0].unwrapped.codec.nvec
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    data_obs: list[np.ndarray] = []
+    data_q: list[np.ndarray] = []
+    history = []
+    for it in range(iterations):
+        o, q = collect(envs, requests, policy, beta**it, rng)
+        data_obs += o
+        data_q += q
+        if progress is not None:
+            progress(len(o))
+        X = torch.as_tensor(np.stack(data_obs), dtype=torch.float32)
+        Q = torch.as_tensor(np.stack(data_q), dtype=torch.float32)
+        regret = Q.max(dim=1, keepdim=True).values - Q  # [B, A] >= 0
+        policy.train()
+        for _ in range(epochs):
+            perm = torch.randperm(X.shape[0], generator=gen)
+            for s in range(0, X.shape[0], batch_size):
+                idx = perm[s : s + batch_size]
+                p = joint_log_prob(policy, X[idx], nvec).exp()
+                loss = (p * regret[idx]).sum(dim=1).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        policy.eval()
+        with torch.no_grad():
+            p = joint_log_prob(policy, X, nvec).exp()
+            history.append(float((p * regret).sum(dim=1).mean()))
+    return history
