@@ -19,6 +19,7 @@ import torch
 
 import engine
 from engine.drafting.make import make_drafter
+from engine.models.eagle3 import is_eagle3_config
 from engine.models.feature_heads import target_digest
 from engine.paths import repo_relative, zoo_dir
 
@@ -95,9 +96,9 @@ def load_models(
     if drafter is not None and str(drafter) != "":
         drafter_path = resolve_model_path(drafter)
         pred_path = resolve_model_path(predictor) if predictor else None
-        model_type = json.loads((drafter_path / "config.json").read_text()).get("model_type")
+        raw = json.loads((drafter_path / "config.json").read_text())
         options = {"predictor": str(pred_path)} if pred_path is not None else {}
-        if model_type in engine.SUPPORTED_MODEL_TYPES:
+        if raw.get("model_type") in engine.SUPPORTED_MODEL_TYPES and not is_eagle3_config(raw):  # EAGLE-3: a head
             drafter_obj = make_drafter(engine.load_model(drafter_path, dtype=dtype), model, **options)
         else:
             drafter_obj = make_drafter(str(drafter_path), model, **options)

@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from engine.models import gpt_oss
 from engine.models.config import ModelConfig, load_config, parse_config
 from engine.models.transformer import Model
 
@@ -47,6 +48,35 @@ _UNGATED_SHARED = ("deepseek_v3", "glm4_moe")  # hub `mlp.shared_experts.*` <-> 
 
 class CheckpointError(ValueError):
     """A checkpoint folder whose weights do not match its config."""
+
+
+def read_weights(cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors, dequantised per its `quantization_config`: block-scaled FP8 (DeepSeek-V3's release:
+    `X.weight` e4m3 with `X.weight_scale_inv` [ceil(out/b0), ceil(in/b1)], W = W_fp8 * scale per block) or
+    gpt_oss MXFP4 experts (engine.models.gpt_oss). Any other quantisation is a clear error."""
+    quant = cfg.raw.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method is not None and method != "fp8" and not (method == "mxfp4" and cfg.model_type == "gpt_oss"):
+        raise CheckpointError(f"{path}: {method!r}-quantised weights are not supported for {cfg.model_type} "
+                              "(block-FP8 and gpt_oss MXFP4 experts are dequantised on load)")  # fmt: skip
+    raw = _read_safetensors(path)
+    if method != "fp8":
+        return raw
+    b0, b1 = quant.get("weight_block_size") or (128, 128)
+    out = {}
+    for key, t in raw.items():
+        if key.endswith(".weight_scale_inv"):
+            continue
+        scale = raw.get(key.removesuffix(".weight") + ".weight_scale_inv") if key.endswith(".weight") else None
+        if scale is not None:
+            rows, cols = t.shape
+            if tuple(scale.shape) != (-(-rows // b0), -(-cols // b1)):
+                raise CheckpointError(f"{path}: {key} {tuple(t.shape)} has scales {tuple(scale.shape)}, expected "
+                                      f"{(-(-rows // b0), -(-cols // b1))} for {b0}x{b1} blocks")  # fmt: skip
+            full = scale.float().repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+            t = t.float() * full
+        out[key] = t
+    return out
 
 
 def split_extra_layers(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -86,6 +116,11 @@ def _to_internal(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, to
     """Rename hub keys to our module names and stack per-expert weights."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    if cfg.model_type == "gpt_oss":  # stacked, biased, maybe MXFP4 experts: their own layout
+        try:
+            return gpt_oss.hub_to_internal(raw)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from err
     for key, t in raw.items():
         m = _EXPERT.match(key)
         if m:
@@ -143,7 +178,7 @@ def load_model(
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
     cfg = load_config(path)
-    state = _to_internal(cfg, split_extra_layers(cfg, _read_safetensors(path))[0])
+    state = _to_internal(cfg, split_extra_layers(cfg, read_weights(cfg, path))[0])
     with torch.device("meta"):
         model = Model(cfg)
     expected = dict(model.state_dict())
@@ -203,6 +238,12 @@ def hub_state_dict(model: Model, dtype: torch.dtype | None = None) -> dict[str, 
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
     mixtral = cfg.model_type == "mixtral"
+    if cfg.model_type == "gpt_oss":
+        state = {k: t.detach().to("cpu") for k, t in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                for k, t in gpt_oss.internal_to_hub(state).items()}  # fmt: skip
     for key, t in model.state_dict().items():
         t = t.detach().to("cpu")
         if dtype is not None and t.is_floating_point():
@@ -273,8 +314,15 @@ def save_model(
     """Write an HF folder (config.json, model.safetensors, optional tokenizer.json) atomically."""
     path = Path(path)
     with atomic_folder(path) as tmp:
-        raw = dict(model.config.raw)
-        raw.setdefault("rope_parameters", {"rope_theta": model.config.rope_theta, "rope_type": "default"})
+        cfg = model.config
+        raw = dict(cfg.raw)
+        raw.pop("quantization_config", None)  # weights are saved dequantised (gpt_oss MXFP4)
+        if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
+            raw["rope_parameters"] = {
+                "rope_theta": cfg.rope_theta,
+                "rope_type": cfg.rope_type,
+                **dict(cfg.rope_scaling),
+            }
         if dtype is not None:
             raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))

@@ -1,7 +1,7 @@
 """Normalised model configuration parsed from a Hugging Face `config.json`.
 
 Every supported family (MoE targets `qwen2_moe`, `qwen3_moe`, `mixtral`, `olmoe`, `deepseek_v3`,
-`glm4_moe`; dense drafters `llama`, `qwen2`, `qwen3`) maps onto one flat `ModelConfig`, so the model code
+`glm4_moe`, `gpt_oss`; dense drafters `llama`, `qwen2`, `qwen3`) maps onto one flat `ModelConfig`, so the model code
 has one path with a few feature switches (qkv bias, qk-norm per head or over the whole projection, shared
 expert, multi-head latent attention, sigmoid group-limited router, partial / YaRN RoPE, ...).
 """
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.models.rope import ROPE_TYPES
+from engine.models.rope import ROPE_KEYS, ROPE_TYPES
 
-MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")  # DeepSeek-V3-style router, shared experts, dense first layers
 DENSE_TYPES = ("llama", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = MOE_TYPES + DENSE_TYPES
+SUPPORTED_MODEL_TYPES = MOE_TYPES[:4] + DENSE_TYPES + MOE_TYPES[4:]  # the DeepSeek-V3-era families listed last
 
 
 class ModelConfigError(ValueError):
@@ -73,6 +73,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # qwen2_moe's sigmoid gate; deepseek_v3 / glm4_moe add theirs ungated
     num_nextn_predict_layers: int = 0  # MTP modules stored after the decoder layers (deepseek_v3, glm4_moe)
+    # gpt_oss: per-layer "sliding_attention" / "full_attention" (window in tokens), sinks, clamped SwiGLU
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -102,17 +107,19 @@ def _get(cfg: dict, key: str, default: Any = ..., model_type: str = "?") -> Any:
     return default
 
 
-_DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # transformers' family defaults when config.json is silent
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}  # transformers' family defaults when config.json is silent
 
 
-_YARN_KEYS = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-              "mscale_all_dim", "truncate")  # fmt: skip
 _FAMILY_DEFAULTS = {  # transformers' defaults of the fields a hand-written config.json may leave out
     "deepseek_v3": dict(n_shared_experts=1, routed_scaling_factor=2.5, n_group=8, topk_group=4, norm_topk_prob=True,
                         first_k_dense_replace=3, rope_interleave=True, num_nextn_predict_layers=1),
     "glm4_moe": dict(n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True,
                      first_k_dense_replace=1, partial_rotary_factor=0.5, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
                      max_position_embeddings=131072),
+    "gpt_oss": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, sliding_window=128, swiglu_alpha=1.702,
+                    swiglu_limit=7.0, num_experts_per_tok=4,
+                    rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=4096)),
 }  # fmt: skip
 
 
@@ -124,20 +131,23 @@ def _rope_theta(cfg: dict) -> float:
 
 def _rope(cfg: dict, head_dim: int) -> dict:
     """RoPE fields of `ModelConfig`: theta, type ("default" | "yarn"), YaRN parameters, rotary dims."""
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers: rope_scaling wins
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")  # transformers: rope_scaling wins
+    params = params or _FAMILY_DEFAULTS.get(cfg.get("model_type"), {}).get("rope_parameters") or {}
     rope_type = params.get("rope_type", params.get("type", "default")) if params else "default"
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(
             f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}); rope parameters: {params}"
         )
     out: dict[str, Any] = dict(rope_theta=_rope_theta(cfg), rope_type=rope_type)
-    if rope_type == "yarn":
-        yarn = {k: params[k] for k in _YARN_KEYS if params.get(k) is not None}
-        original = cfg.get("original_max_position_embeddings") or yarn.get("original_max_position_embeddings")
-        yarn["original_max_position_embeddings"] = int(original or cfg.get("max_position_embeddings") or 4096)
-        if yarn.get("factor") is not None and float(yarn["factor"]) <= 0:
-            raise ModelConfigError(f"yarn rope factor must be positive, got {yarn['factor']}")
-        out["rope_scaling"] = tuple(sorted(yarn.items()))
+    if rope_type != "default":
+        scaling = {k: params[k] for k in ROPE_KEYS[rope_type] if params.get(k) is not None}
+        if "original_max_position_embeddings" in ROPE_KEYS[rope_type]:  # transformers: the top-level field wins
+            original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+            scaling["original_max_position_embeddings"] = int(original or cfg.get("max_position_embeddings") or 4096)
+        need = {"linear": ("factor",), "llama3": ROPE_KEYS["llama3"]}.get(rope_type, ())
+        if any(k not in scaling for k in need) or float(scaling.get("factor", 1.0)) <= 0:
+            raise ModelConfigError(f"{rope_type} rope needs a positive factor and {need}; rope parameters: {params}")
+        out["rope_scaling"] = tuple(sorted(scaling.items()))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial is None:
         partial = _FAMILY_DEFAULTS.get(cfg.get("model_type"), {}).get("partial_rotary_factor", 1.0)
@@ -164,6 +174,22 @@ def _mla(cfg: dict, g, heads: int) -> dict:
     return dict(attention="mla", q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
                 qk_rope_head_dim=rope, v_head_dim=v, head_dim=nope + rope, num_kv_heads=heads, rotary_dim=rope,
                 rope_interleave=bool(g("rope_interleave")), qkv_bias=bias, o_bias=bias)  # fmt: skip
+
+
+def _gpt_oss(cfg: dict, g, layers: int) -> dict:
+    """gpt_oss fields: biases everywhere, layer types and the window, the clamped SwiGLU constants."""
+    kinds = ("sliding_attention", "full_attention")
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in kinds for t in types):
+        raise ModelConfigError(f"layer_types must list {layers} of {kinds}, got {types}")
+    window = int(cfg.get("sliding_window") or 0) if "sliding_window" in cfg else int(g("sliding_window"))
+    if "sliding_attention" in types and window <= 0:
+        raise ModelConfigError(
+            f"sliding_attention layers need a positive sliding_window, got {cfg.get('sliding_window')}"
+        )
+    bias = bool(cfg.get("attention_bias", True))
+    return dict(layer_types=tuple(types), sliding_window=window, qkv_bias=bias, o_bias=bias,
+                swiglu_alpha=float(g("swiglu_alpha")), swiglu_limit=float(g("swiglu_limit")))  # fmt: skip
 
 
 def _sigmoid_router(cfg: dict, g, experts: int, top_r: int) -> dict:
@@ -250,8 +276,10 @@ def parse_config(cfg: dict) -> ModelConfig:
         common["qk_norm"] = "head" if cfg.get("use_qk_norm") else "none"
     if model_type in SIGMOID_ROUTED:
         common["num_nextn_predict_layers"] = int(g("num_nextn_predict_layers"))
+    if model_type == "gpt_oss":
+        common.update(_gpt_oss(cfg, g, layers))
     if model_type in MOE_TYPES:
-        if model_type == "mixtral":
+        if model_type in ("mixtral", "gpt_oss"):
             experts, top_r = int(g("num_local_experts")), int(g("num_experts_per_tok"))
             moe_dim = int(g("intermediate_size"))
             norm_topk = True  # Mixtral always renormalises its top-r weights

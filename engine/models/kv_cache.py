@@ -2,6 +2,7 @@
 
     storage  k[layer] : [num_blocks * block_size, Hkv, hd]      slot = block * block_size + offset
              v[layer] : [num_blocks * block_size, Hkv, hd_v]    (hd_v = 0 for MLA: k holds the latent)
+             positions: [num_blocks * block_size]               token position of each slot (sliding windows)
     sequence          : block table [b0, b7, b3, ...]  -> position p lives in slot table[p // bs] * bs + p % bs
 
     committed positions 0 .. n-1   (verified tokens only)
@@ -51,6 +52,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         v_dim = head_dim if v_head_dim is None else v_head_dim
         self.v = torch.zeros(shape[:-1] + (v_dim,), dtype=dtype, device=device)
+        self.positions = torch.zeros(num_blocks * block_size, dtype=torch.long, device=device)  # written on demand
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.seqs: dict[int, SequenceBlocks] = {}
         self.scratch: dict[int, list[int]] = {}
@@ -127,6 +129,10 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 
+    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """slots [N] hold tokens at positions [N] (read back by sliding-window attention)."""
+        self.positions.index_copy_(0, slots, positions.to(self.positions.device))
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots [B, S] -> k, v [B, S, Hkv, hd]."""
         return self.k[layer][slots], self.v[layer][slots]
@@ -136,6 +142,7 @@ class PagedKVCache:
         if src.numel():
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
+            self.positions[dst] = self.positions[src]
 
     def check_quiescent(self) -> None:
         """Raise if any block is still held (the invariant at the end of `Engine.generate`)."""

@@ -1,6 +1,10 @@
-"""Rotary position embeddings: the default RoPE and YaRN (2309.00071), over all or part of each head.
+"""Rotary position embeddings: the default RoPE, linear scaling, Llama-3's and YaRN (2309.00071), over all
+or part of each head.
 
     inv_freq [rd/2]  default: theta^(-2i/rd)
+                     linear:  theta^(-2i/rd) / factor
+                     llama3:  wavelengths longer than original/low_freq_factor divided by factor, shorter than
+                              original/high_freq_factor kept, a smooth blend in between
                      yarn:    blend of theta^(-2i/rd) (extrapolation, fast dims) and the same divided by
                               `factor` (interpolation, slow dims) with a linear ramp between the dims that
                               turn beta_fast and beta_slow times over the original context
@@ -22,7 +26,14 @@ import math
 
 import torch
 
-ROPE_TYPES = ("default", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_KEYS = {  # the parameters each type reads (from rope_parameters / rope_scaling)
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+}  # fmt: skip
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -61,12 +72,29 @@ def _yarn_inv_freq(rd: int, theta: float, params: dict, max_positions: int, devi
     return inv_freq, float(attention_factor)
 
 
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_inv_freq(cfg, device=None) -> tuple[torch.Tensor, float]:
     """`ModelConfig` -> (inv_freq [rd/2] float32, attention_factor)."""
     rd, theta = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
+    params = dict(cfg.rope_scaling)
     if cfg.rope_type == "yarn":
-        return _yarn_inv_freq(rd, theta, dict(cfg.rope_scaling), cfg.max_position_embeddings, device)
-    return 1.0 / (theta ** (torch.arange(0, rd, 2, device=device).float() / rd)), 1.0
+        return _yarn_inv_freq(rd, theta, params, cfg.max_position_embeddings, device)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rd, 2, device=device).float() / rd))
+    if cfg.rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if cfg.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    return inv_freq, 1.0
 
 
 def rope_table(cfg, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.gpt_oss import GptOssAttention, GptOssMoE
 from engine.models.layers import RMSNorm, apply_rope, apply_rope_signed, sign_sin
 from engine.models.mla import MLAttention
 from engine.models.moe import DenseMLP, MoEBlock, RoutingRecord, fused_weight, load_balancing_loss
@@ -72,6 +73,8 @@ class ForwardOutput:
     hidden: torch.Tensor  # [N, D] final hidden state before the LM head (after the last norm)
     routing: RoutingRecord | None
     pre_norm_hidden: torch.Tensor | None = None  # [N, D] last layer output before the final norm
+    # [N, k*D] residual streams entering the `feature_layers` of forward_batch (EAGLE-3's auxiliary features)
+    features: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -183,7 +186,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.self_attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
-        if cfg.is_moe_layer(layer):
+        if cfg.model_type == "gpt_oss":  # sinks, sliding windows, biased router and clamped-SwiGLU experts
+            self.self_attn, self.mlp = GptOssAttention(cfg, layer), GptOssMoE(cfg)
+        elif cfg.is_moe_layer(layer):
             self.mlp: nn.Module = MoEBlock(
                 cfg.hidden_size,
                 cfg.num_experts,
@@ -305,22 +310,31 @@ class Model(nn.Module):
         timer: PhaseTimer | None = None,
         keep_router_logits: bool = False,
         expert_budget: int | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> ForwardOutput:
         """Packed forward over the paged KV cache (see `ForwardBatch`). Returns logits for every token.
 
-        expert_budget: MoE-Spec's approximate cap on distinct experts per layer (`MoEBlock.route`)."""
+        expert_budget: MoE-Spec's approximate cap on distinct experts per layer (`MoEBlock.route`).
+        feature_layers: fill `features` with the hidden states entering these layers, concatenated in this
+        order (layer i's input = layer i-1's output, transformers' `hidden_states[i]`; i = num_layers is the
+        last layer's output before the final norm), as SGLang / vLLM capture EAGLE-3's auxiliary states."""
         record = RoutingRecord(keep_logits=keep_router_logits) if record_routing else None
+        captured: dict[int, torch.Tensor] = {}
         with maybe_phase(timer, "embed"):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]
             cos_table, sin_table = self._rope_table(h.dtype)
             cos, sin = cos_table[batch.positions], sin_table[batch.positions]
         for i, layer in enumerate(self.model.layers):  # .forward(): skip nn.Module hook dispatch
+            if feature_layers and i in feature_layers:
+                captured[i] = h
             with maybe_phase(timer, "attention"):
                 x = layer.input_layernorm.forward(h)
                 h = h + layer.self_attn.forward_cached(x, cos, sin, batch, kv, i)
                 x = layer.post_attention_layernorm.forward(h)
             h = h + layer.mlp_forward(x, record, None, timer, expert_budget)
+        captured[len(self.model.layers)] = h
         with maybe_phase(timer, "lm_head"):
             hidden = self.model.norm.forward(h)
             logits = F.linear(hidden, self.lm_head.weight)
-        return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h)
+        features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h, features=features)

@@ -111,6 +111,7 @@ class Engine:
         target.set_backend(backend)  # validates; set again before every forward (the model may be shared)
         self.backend = backend
         self.drafter: Drafter | None = make_drafter(drafter, target, **drafter_options)
+        self.feature_layers: tuple[int, ...] | None = getattr(self.drafter, "feature_layers", None)  # EAGLE-3
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.instrument = instrument
@@ -297,7 +298,7 @@ class Engine:
     def _prefill(self, reqs: list[_Request], kv: PagedKVCache) -> dict[int, torch.Tensor]:
         """Cache every prompt token but the last (which is the first round's root).
 
-        Returns the target's final hidden states [len(prompt) - 1, D] per request (for feature drafters)."""
+        Returns the target's final hidden states [len(prompt) - 1, D] (or `feature_layers` ones) per request."""
         items, owners = [], []
         for r in reqs:
             n = len(r.prompt) - 1
@@ -307,11 +308,12 @@ class Engine:
                 owners.append(r)
         hidden: dict[int, torch.Tensor] = {}
         if items:
-            out = self.target.forward_batch(pack(items, self.target.device), kv)
+            out = self.target.forward_batch(pack(items, self.target.device), kv, feature_layers=self.feature_layers)
+            feats = out.hidden if out.features is None else out.features
             off = 0
             for r in owners:
                 n = len(r.prompt) - 1
-                hidden[r.index] = out.hidden[off : off + n]
+                hidden[r.index] = feats[off : off + n]
                 off += n
         elif self.ep is not None:
             self.ep.idle_step()
@@ -353,8 +355,10 @@ class Engine:
         t0 = time.perf_counter()
         budget = self.expert_budget if any(t.num_nodes > 1 for t in trees) else None  # verification forwards only
         out = self.target.forward_batch(
-            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer, expert_budget=budget
-        )
+            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer, expert_budget=budget,
+            feature_layers=self.feature_layers,
+        )  # fmt: skip
+        feats = out.hidden if out.features is None else out.features
         forward_seconds = time.perf_counter() - t0
         phase = timer.reset() if timer is not None else {}
         offload_stats = None
@@ -375,7 +379,7 @@ class Engine:
             kv.release_scratch(r.index)
             committed = self._commit(r, result.committed_tokens, r.eos_token_id)
             if self.drafter is not None:
-                self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=out.hidden[off : off + n])
+                self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=feats[off : off + n])
             book = time.perf_counter() - t1
             stats = self._round_stats(r, tree, s, a, result, committed, out, off, n, phase, forward_seconds, book)
             stats.offload = offload_stats

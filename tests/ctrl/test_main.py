@@ -107,7 +107,7 @@ def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
     vec, _ = e.reset(options={"request": 0})
     done = False
     while not done:  # the env's observation vector and the Observation object give the same decision
-        obs = e._observe()
+        obs = e.observation()
         assert np.array_equal(obs.vector(), vec)
         assert grid.spec(policy.act_index(vec)) == policy.act(obs)
         vec, _, term, trunc, _ = e.step(e.codec.encode(policy.act_index(vec)))

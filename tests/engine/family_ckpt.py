@@ -25,6 +25,8 @@ def random_hf_model(model_type: str, seed: int = 0, router_scale: float = 4.0, *
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.mul_(router_scale)
+            if name.endswith("self_attn.sinks"):  # large sinks: heads really lose mass to them
+                p.mul_(10.0)
         for name, b in ref.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.3)

@@ -141,3 +141,48 @@ def test_roofline_prices_mla_from_its_dims():
     t = model_spec_from_hf_config(hf, "v3", weight_bytes=2.0)
     assert (t.num_dense_layers, t.num_experts, t.num_shared_experts, t.shared_expert_dim) == (3, 256, 1, 2048)
     assert (t.kv_bytes, t.attn_params) == (s.kv_bytes, s.attn_params)
+
+
+def test_block_fp8_checkpoint_is_dequantised_on_load(tmp_path):
+    """DeepSeek-V3's release format: e4m3 `X.weight` + float32 `X.weight_scale_inv` per 8x8 block here (128x128
+    there), W = W_fp8 * scale; compared with transformers on the dequantised weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    ref = random_hf_model("deepseek_v3", **DS)
+    ref.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    params = dict(ref.named_parameters())
+    b = 8
+    for key in [k for k, t in state.items() if t.dim() == 2 and "proj" in k]:  # attention, MLPs, experts
+        w = state[key]
+        rows, cols = w.shape
+        blocks = w.new_zeros(-(-rows // b), -(-cols // b))
+        for i in range(blocks.shape[0]):
+            for j in range(blocks.shape[1]):
+                blocks[i, j] = w[i * b : (i + 1) * b, j * b : (j + 1) * b].abs().max() / 448.0
+        full = blocks.repeat_interleave(b, 0)[:rows].repeat_interleave(b, 1)[:, :cols]
+        q = (w / full).to(torch.float8_e4m3fn)
+        state[key], state[key.removesuffix(".weight") + ".weight_scale_inv"] = q, blocks
+        if key in params:
+            with torch.no_grad():
+                params[key].copy_(q.float() * full)
+        else:  # per-expert hub key -> transformers' stacked experts
+            layer, rest = key.split(".mlp.experts.")
+            e, proj = rest.split(".")[:2]
+            ex = dict(ref.named_modules())[layer + ".mlp.experts"]
+            F_ = ex.down_proj.shape[-1]
+            with torch.no_grad():
+                if proj == "down_proj":
+                    ex.down_proj[int(e)].copy_(q.float() * full)
+                else:
+                    ex.gate_up_proj[int(e), (0 if proj == "gate_proj" else F_) :][:F_].copy_(q.float() * full)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [b, b]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids, attention_mask=torch.ones_like(ids)).logits
+    torch.testing.assert_close(engine.load_model(tmp_path).logits(ids), want, atol=1e-4, rtol=1e-4)

@@ -10,6 +10,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from family_ckpt import PROMPTS, save_pair
+from test_deepseek_v3 import DS
+
+import engine
+from engine.cost.roofline import RooflineCost, load_hardware, model_spec_from_hf_config
+from engine.offload.cache import ExpertOffload
+from engine.parallel.placement import place_experts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,3 +98,23 @@ def test_triton_interpreter_backend_matches_torch():
     proc = subprocess.run([sys.executable, "-c", TRITON], cwd=REPO, env=_env(TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_offload_virtual_ep_and_modelled_cost_in_process(tmp_path):
+    """Expert offload keeps the tokens; virtual EP and the roofline cost model (spec from the HF config, MLA
+    priced) run on the group-limited routing."""
+    _, target = save_pair("deepseek_v3", tmp_path, seed=6, **DS)
+    ref = [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 16)]
+    with ExpertOffload(target, 2) as off:
+        assert [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 16)] == ref
+        assert off.stats.misses > 0
+    cfg = target.config
+    placement = place_experts(cfg.num_experts, 2, "contiguous", ranks_per_node=1)
+    cost = RooflineCost(load_hardware("h200"), model_spec_from_hf_config(cfg.raw))
+    eng = engine.Engine(target, drafter="ngram", virtual_ep=placement, cost_model=cost)
+    res = eng.generate(PROMPTS, 16, spec=engine.SpecConfig(depth=3, width=2))
+    assert [r.token_ids for r in res] == ref
+    rounds = [s for r in res for s in r.rounds]
+    assert all(len(s.distinct_experts) == len(cfg.moe_layers) and s.modelled_seconds > 0 for s in rounds)
+    assert all(s.rank_imbalance_max >= 1.0 for s in rounds)
+    assert torch.tensor([s.verified_tokens for s in rounds]).sum() > len(rounds)

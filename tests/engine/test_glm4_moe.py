@@ -50,9 +50,10 @@ def pair(tmp_path_factory):
 
 def test_greedy_generate_matches_transformers(pair):
     ref, ours = pair
-    res = engine.Engine(ours).generate(PROMPTS, 64)
+    res = engine.Engine(ours).generate(PROMPTS, 64)  # a mixed-length batch
     for prompt, r in zip(PROMPTS, res):
         assert r.token_ids == hf_greedy(ref, prompt, 64)
+    assert engine.Engine(ours).generate([PROMPTS[2]], 64)[0].token_ids == res[2].token_ids  # batch 1
 
 
 def test_speculative_greedy_equals_target_only(pair):
