@@ -294,7 +294,7 @@ def evaluate(
         plot: dict[str, Any] = {}
         runs: dict[str, list[list[Any]]] = {}
 
-        def add(policy: str, reqs: list[list[Any]], runs=runs, name=name, **extra: Any) -> None:
+        def add(policy: str, reqs: list[list[Any]], runs=runs, name=name, rows=rows, **extra: Any) -> None:
             runs[policy] = reqs
             rows.append(row(policy, name, cost, reqs, **extra))
             tick(policy)
@@ -344,6 +344,9 @@ def evaluate(
             ]
             if conf.ablation:
                 extras["ablation"][name] = ablation(env, train_ids, test_ids, frozen, grid)
+        if conf.live_requests > 0:
+            rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
+                              frozen[:1], env)  # fmt: skip
         for pol_name, reqs in runs.items():
             if pol_name in ("ppo", "static-best-train", "cascade", "evict", "oracle", "target-only"):
                 plot[pol_name] = per_policy_plot_data(reqs)
@@ -373,4 +376,47 @@ def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[st
     vals = [summarize(run_requests(env, test_ids, frozen_runner(fp, env, {0: k_best}), "index")).committed_per_cost
             for fp in frozen]  # fmt: skip
     out.append({"variant": f"K fixed = {grid.depths[k_best]}", "committed_per_cost": float(np.mean(vals))})
+    return out
+
+
+_MODELS: dict[tuple, Any] = {}
+
+
+def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, grid: ActionGrid,
+              requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any) -> list[dict]:  # fmt: skip
+    """The same held-out requests on the live engine (expertspec/Live-v0): target-only, static-best-train and
+    the first learned seed, each with `replay_committed_per_cost`, replay's figure on the same requests (equal
+    under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says)."""
+    from env.live import LiveEnv
+    from env.models import load_models
+
+    m = conf.models
+    key = (m.target, m.drafter, m.predictor)
+    if key not in _MODELS:
+        _MODELS[key] = load_models(m.target, m.drafter, m.predictor)
+    sampling = {"temperature": conf.workloads.temperature, "seed": 0} if conf.workloads.temperature > 0 else None
+    env = LiveEnv(models=_MODELS[key], prompts=[trace.prompt(i) for i in requests],
+                  max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
+                  cost=dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec,
+                            drafter_spec=cost.drafter_spec),
+                  fit_trace=trace if cost.kind == "fitted" else None)  # fmt: skip
+    local = list(range(len(requests)))
+    out = []
+    idx = tuple(static[f"{workload}/static-best-train"])
+    actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)))] if grid.depths[0] == 0 else []
+    actors.append(("static-best-train", lambda v: env.codec.encode(idx)))
+    if frozen:
+        actors.append(("ppo-seed0", frozen_runner(frozen[0], env)))
+    for label, act in actors:
+        same = summarize(run_requests(replay, list(requests), act, "index")).committed_per_cost
+        reqs = []
+        for i in local:
+            vec, _ = env.reset(options={"request": i})
+            done = False
+            while not done:
+                vec, _, term, trunc, _ = env.step(act(vec))
+                done = term or trunc
+            reqs.append(list(env.session.results()[0].rounds))
+        out.append(row(label, workload, cost, reqs, backend="live", replay_committed_per_cost=same))
+    env.close()
     return out

@@ -85,6 +85,14 @@ class CostConf:
     router_seed: int = 0  # identity-keyed synthetic routing (model spec != target shape)
 
 
+def drafter_steps(depth_cap: int, built_depth: int, spec: Any) -> int:
+    """Drafter forwards a round takes: one per depth grown. Under the threshold rule growth stops at the first
+    depth with no node above the threshold (engine.drafting.tree_growth), after built_depth + 1 forwards."""
+    if spec.verify_rule == "threshold":
+        return min(depth_cap, built_depth + 1)
+    return depth_cap
+
+
 class CostModel:
     """Prices rounds; subclasses implement verify / ar / draft. `routing_shape` = (L, E, r) of the priced model."""
 

@@ -46,7 +46,7 @@ from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
 from env.actions import ActionCodec, as_grid
-from env.costs import CostConf, RoundCost, make_cost_model, uses_recorded_routing
+from env.costs import CostConf, RoundCost, drafter_steps, make_cost_model, uses_recorded_routing
 from env.models import load_models
 from env.replay import as_cost_conf
 from env.tables import footprint_of, pairs_int
@@ -204,7 +204,8 @@ class LiveEnv(gym.Env):
             counts = None
             if self.cost_model.needs_counts(n) and stats.tokens_per_expert is not None:
                 counts = stats.tokens_per_expert.numpy()
-            cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, kd, spec.width, aware, counts)
+            steps = drafter_steps(kd, stats.built_depth, spec) if kd > 0 else 0
+            cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, steps, spec.width, aware, counts)
         self._costs[rid] = cost
         return cost.total, cost.ar
 

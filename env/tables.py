@@ -43,10 +43,10 @@ from engine.runtime.footprint import round_footprint
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
 from env.actions import ActionCodec
-from env.costs import CostModel
+from env.costs import CostModel, drafter_steps
 from env.trace import Trace, atomic_write_bytes
 
-TABLES_VERSION = 2
+TABLES_VERSION = 3  # 3: the threshold rule's early stop prices the drafter forwards it saves
 
 
 def footprint_of(ids: np.ndarray, num_experts: int):
@@ -250,6 +250,8 @@ class PositionReplayer:
 
     def draft_cost(self, spec: SpecConfig, predicts: bool) -> float:
         kd = self.drafted_depth(spec)
+        if kd > 0:
+            kd = drafter_steps(kd, self.outcome(spec).built, spec)
         return self.cost.draft(kd, spec.width, spec.lam > 0 and predicts, self.context) if kd > 0 else 0.0
 
 
