@@ -31,8 +31,8 @@ from ctrl.pipeline import check_conf, evaluate, record_traces, train
 from ctrl.report import markdown_report, plot_all
 from engine.paths import cache_dir
 
-HEADLINE = ("static-best-train", "static-best-test", "cascade", "evict", "sglang-adaptive", "vllm-goodput", "ppo",
-            "oracle")  # fmt: skip
+HEADLINE = ("static-best-train", "static-best-test", "cascade", "evict", "sglang-adaptive", "vllm-goodput",
+            "aggrevate", "ppo", "learned", "oracle")  # fmt: skip
 
 
 def boundary(cost, conf: MainConf) -> str:
@@ -55,9 +55,13 @@ def boundary(cost, conf: MainConf) -> str:
     )
 
 
+POLICY_CACHE_VERSION = 2  # bump when training changes what a cached policy is (2: calibrated observations)
+
+
 def _policy_cache(conf: MainConf, traces, cost) -> Path:
-    key = json.dumps([sorted((n, t.digest) for n, t in traces.items()), asdict(cost), asdict(conf.algo),
-                      list(conf.seeds), asdict(conf.grid), conf.workloads.train], sort_keys=True)  # fmt: skip
+    key = json.dumps([POLICY_CACHE_VERSION, sorted((n, t.digest) for n, t in traces.items()), asdict(cost),
+                      asdict(conf.algo), list(conf.seeds), asdict(conf.grid), conf.workloads.train],
+                     sort_keys=True)  # fmt: skip
     return cache_dir() / "policies" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -74,24 +78,34 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     t_record = time.perf_counter() - t0
     rows, extras, policies = [], {}, {}
     for cost in conf.costs:
-        cache = Path(conf.policy_path) if conf.policy_path else _policy_cache(conf, traces, cost)
-        paths = sorted(cache.glob(f"{cost.name}/seed*")) if conf.policy_path is None else [cache]
-        if conf.policy_path is None and len(paths) != len(conf.seeds):
-            steps = conf.algo.total_timesteps * len(conf.seeds)
-            tb = tqdm(total=steps, desc=f"train PPO ({cost.name})", disable=not conf.progress, unit="step")
-            paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n))
-            tb.close()
-        policies[cost.name] = [str(p) for p in paths]
+        learned: dict[str, list[Path]] = {}
+        if conf.policy_path:
+            learned["learned"] = [Path(conf.policy_path)]
+        else:
+            cache = _policy_cache(conf, traces, cost)
+            for learner in conf.learners:
+                paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
+                if len(paths) != len(conf.seeds):
+                    a = conf.algo
+                    per_seed = (a.iterations if learner.startswith("aggrevate") else 0) + (
+                        a.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
+                    tb = tqdm(total=per_seed * len(conf.seeds), desc=f"train {learner} ({cost.name})",
+                              disable=not conf.progress)  # fmt: skip
+                    paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
+                    tb.close()
+                learned[learner] = paths
+        policies[cost.name] = {k: [str(p) for p in v] for k, v in learned.items()}
+        paths = [p for v in learned.values() for p in v]
         n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
         eb = tqdm(total=n_eval, desc=f"evaluate ({cost.name})", disable=not conf.progress)
-        r, p, x = evaluate(conf, traces, cost, paths, on_policy=lambda name, eb=eb: eb.update(1))
+        r, p, x = evaluate(conf, traces, cost, learned, on_policy=lambda name, eb=eb: eb.update(1))
         eb.close()
         rows += r
         extras[cost.name] = x
         for wl, data in p.items():
             plot_all(data, out_dir / "plots" / cost.name / wl)
         for src in paths:  # keep the frozen policies next to the report
-            dst = out_dir / "policies" / cost.name / Path(src).name
+            dst = out_dir / "policies" / cost.name / Path(src).parent.name / Path(src).name
             if not dst.exists():
                 shutil.copytree(src, dst)
     sections = [report_extras(extras)]
@@ -106,15 +120,23 @@ def run(conf: MainConf, out_dir: Path) -> dict:
 
 def report_extras(extras: dict) -> str:
     lines = ["## Learned policy: share of the oracle's headroom and ablation", ""]
-    lines += ["Share of headroom = (PPO − static-best-test) / (oracle − static-best-test), committed per cost, "
+    lines += ["Share of headroom = (learned − static-best-test) / (oracle − static-best-test), committed per cost, "
               "per training seed.", ""]  # fmt: skip
     lines += ["| cost model | workload | share per seed | ablation (variant: committed per cost) |"]
     lines += ["|---|---|---|---|"]
     for cost, x in extras.items():
-        for wl, shares in x.get("headroom", {}).items():
-            variants = x.get("ablation", {}).get(wl, [])
-            abl = "; ".join(f"{a['variant']}: {a['committed_per_cost']:.4g}" for a in variants)
-            lines.append(f"| {cost} | {wl} | {', '.join(f'{s:.1%}' for s in shares)} | {abl} |")
+        for learner, per_wl in x.get("headroom", {}).items():
+            for wl, shares in per_wl.items():
+                variants = x.get("ablation", {}).get(learner, {}).get(wl, [])
+                abl = "; ".join(f"{a['variant']}: {a['committed_per_cost']:.4g}" for a in variants)
+                lines.append(f"| {cost} | {learner} · {wl} | {', '.join(f'{s:.1%}' for s in shares)} | {abl} |")
+    cal = next(iter(extras.values()), {}).get("calibration", {})
+    if cal:
+        lines += ["", "## Draft-confidence calibration (isotonic per depth, fitted on the training prompts)", ""]
+        lines += ["| workload | held-out samples | acceptance | ECE raw | ECE calibrated |", "|---|---|---|---|---|"]
+        for wl, c in cal.items():
+            lines.append(f"| {wl} | {c['samples']} | {c['accept_rate']:.2f} | {c['ece_raw']:.3f} | "
+                         f"{c['ece_calibrated']:.3f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -125,6 +147,8 @@ def headline(rows: list[dict]) -> str:
         wls = list(dict.fromkeys(r["workload"] for r in rows if r["cost_model"] == cost))
         out.append(f"{'policy':<20}" + "".join(f"{w:>10}" for w in wls))
         for pol in HEADLINE:
+            if not any(x["policy"] == pol and x["cost_model"] == cost for x in rows):
+                continue
             vals = []
             for wl in wls:
                 r = next((x for x in rows if x["cost_model"] == cost and x["workload"] == wl and x["policy"] == pol),

@@ -97,8 +97,6 @@ def aggrevate(
         o, q = collect(envs, requests, policy, beta**it, rng)
         data_obs += o
         data_q += q
-        if progress is not None:
-            progress(len(o))
         X = torch.as_tensor(np.stack(data_obs), dtype=torch.float32)
         Q = torch.as_tensor(np.stack(data_q), dtype=torch.float32)
         regret = Q.max(dim=1, keepdim=True).values - Q  # [B, A] >= 0
@@ -116,4 +114,6 @@ def aggrevate(
         with torch.no_grad():
             p = joint_log_prob(policy, X, nvec).exp()
             history.append(float((p * regret).sum(dim=1).mean()))
+        if progress is not None:
+            progress(1)  # one aggregation round done
     return history

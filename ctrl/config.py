@@ -87,6 +87,7 @@ class MainConf:
     )
     grid: GridConf = field(default_factory=GridConf)
     algo: AlgoConf = field(default_factory=AlgoConf)
+    learners: list[str] = field(default_factory=lambda: ["aggrevate", "ppo"])  # learned policies trained and compared
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     wandb: WandbConf = field(default_factory=WandbConf)
     policies: list[str] = field(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +101,20 @@ def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
     return train, test
 
 
-def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None):
+def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None,
+               calibration: Any = None):  # fmt: skip
     from env.replay import ReplayEnv
 
     return ReplayEnv(trace, grid=grid, cost=dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec,
-                                                 drafter_spec=cost.drafter_spec), requests=requests)  # fmt: skip
+                                                 drafter_spec=cost.drafter_spec), requests=requests,
+                     calibration=calibration)  # fmt: skip
+
+
+def calibrate(conf: MainConf, traces: dict[str, Any]) -> Any:
+    """One isotonic confidence calibration per depth over every workload's training requests (env.calibration)."""
+    from env.calibration import fit_calibration_many
+
+    return fit_calibration_many([(traces[n], split(traces[n], conf)[0]) for n in sorted(traces)])
 
 
 # ---------------------------------------------------------------------------------------------- running policies
@@ -247,23 +256,28 @@ def as_dict(conf: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- training
-def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: Path, progress=None) -> list[Path]:
-    """PPO over every workload's training requests (one replay env per workload, round-robin over the
-    vectorised envs), one frozen policy per seed under `out_dir/<cost name>/seed<k>`."""
+def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: Path, progress=None,
+          learner: str | None = None) -> list[Path]:  # fmt: skip
+    """`learner` (default conf.algo.name: ppo | aggrevate | aggrevate+ppo) over every workload's training
+    requests (one replay env per workload, round-robin over the vectorised envs), one frozen policy per seed
+    under `out_dir/<cost name>/<learner>/seed<k>`."""
     from ctrl.agent import train_seeds
 
     grid = grid_of(conf)
     names = sorted(traces)
+    calibration = calibrate(conf, traces)
 
     def make_env(rank: int):
         name = names[rank % len(names)]
         train_ids, _ = split(traces[name], conf)
-        return replay_env(traces[name], cost, grid, train_ids)
+        return replay_env(traces[name], cost, grid, train_ids, calibration)
 
     card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
-                     "train_requests": conf.workloads.train}}  # fmt: skip
-    config = {**card, "cost": asdict(cost), "algo": asdict(conf.algo)}
-    result = train_seeds(make_env, grid, conf.algo, list(conf.seeds), out_dir / cost.name, conf.wandb, config, progress)
+                     "train_requests": conf.workloads.train, "calibration": calibration.to_dict()}}  # fmt: skip
+    algo = replace(conf.algo, name=learner or conf.algo.name)
+    config = {**card, "cost": asdict(cost), "algo": asdict(algo)}
+    result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
+                         progress)  # fmt: skip
     return result.policy_paths
 
 
@@ -272,7 +286,7 @@ def evaluate(
     conf: MainConf,
     traces: dict[str, Any],
     cost: CostSpecConf,
-    policy_paths: Sequence[Path],
+    policy_paths: dict[str, Sequence[Path]],
     on_policy: Callable[[str], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
     """Every policy on every workload's held-out requests, replay under `cost`.
@@ -285,12 +299,17 @@ def evaluate(
     rows: list[dict[str, Any]] = []
     plots: dict[str, dict[str, Any]] = {}
     extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}}
-    frozen = [load_frozen_policy(p) for p in policy_paths]
+    frozen = {learner: [load_frozen_policy(p) for p in paths] for learner, paths in policy_paths.items() if paths}
     tick = on_policy or (lambda name: None)
+    calibration = calibrate(conf, traces)
+    extras["calibration"] = {}
     for name in sorted(traces):
         trace = traces[name]
         train_ids, test_ids = split(trace, conf)
-        env = replay_env(trace, cost, grid)
+        env = replay_env(trace, cost, grid, calibration=calibration)
+        from env.calibration import calibration_error
+
+        extras["calibration"][name] = calibration_error(trace, calibration, test_ids)
         plot: dict[str, Any] = {}
         runs: dict[str, list[list[Any]]] = {}
 
@@ -317,38 +336,38 @@ def evaluate(
         # the hindsight oracle (replay only): the upper bound
         oracle = HindsightOracle(env, objective="cost")
         add("oracle", run_requests(env, test_ids, lambda v, o=oracle: o.action(), "index"))
-        # learned: every seed, and their mean
-        seed_rows = []
-        for k, fp in enumerate(frozen):
-            reqs = run_requests(env, test_ids, frozen_runner(fp, env), "index")
-            r = row(f"ppo-seed{k}", name, cost, reqs, seed=fp.card.get("seed"))
-            rows.append(r)
-            seed_rows.append(r)
-            runs.setdefault("ppo", reqs)
-            tick("ppo")
-        if seed_rows:
+        # learned: every algorithm, every seed, and their mean over seeds
+        for learner, fps in frozen.items():
+            seed_rows = []
+            for k, fp in enumerate(fps):
+                reqs = run_requests(env, test_ids, frozen_runner(fp, env), "index")
+                r = row(f"{learner}-seed{k}", name, cost, reqs, seed=fp.card.get("seed"))
+                rows.append(r)
+                seed_rows.append(r)
+                runs.setdefault(learner, reqs)
+                tick(learner)
             numeric = [k for k, v in seed_rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
             mean = {key: float(np.mean([r[key] for r in seed_rows])) for key in numeric}
-            mean.update(policy="ppo", workload=name, backend="replay", cost_model=cost.name, exact=True,
-                        seeds=len(seed_rows),
-                        spread=float(np.ptp([r["committed_per_cost"] for r in seed_rows])))  # fmt: skip
+            mean.update(policy=learner, workload=name, backend="replay", cost_model=cost.name, exact=True,
+                        seeds=len(seed_rows), seed_min=min(r["committed_per_cost"] for r in seed_rows),
+                        seed_max=max(r["committed_per_cost"] for r in seed_rows))  # fmt: skip
             rows.append(mean)
             base = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
                         and r["policy"] == "static-best-test")  # fmt: skip
             orc = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
                        and r["policy"] == "oracle")  # fmt: skip
             gap = orc["committed_per_cost"] - base["committed_per_cost"]
-            extras["headroom"][name] = [
+            extras["headroom"].setdefault(learner, {})[name] = [
                 (r["committed_per_cost"] - base["committed_per_cost"]) / gap if gap > 0 else float("nan")
                 for r in seed_rows
             ]
             if conf.ablation:
-                extras["ablation"][name] = ablation(env, train_ids, test_ids, frozen, grid)
+                extras["ablation"].setdefault(learner, {})[name] = ablation(env, train_ids, test_ids, fps, grid)
         if conf.live_requests > 0:
             rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
-                              frozen[:1], env)  # fmt: skip
+                              next(iter(frozen.values()), [])[:1], env, calibration)  # fmt: skip
         for pol_name, reqs in runs.items():
-            if pol_name in ("ppo", "static-best-train", "cascade", "evict", "oracle", "target-only"):
+            if pol_name in (*frozen, "static-best-train", "cascade", "evict", "oracle", "target-only"):
                 plot[pol_name] = per_policy_plot_data(reqs)
         plots[name] = plot
     return rows, plots, extras
@@ -383,7 +402,8 @@ _MODELS: dict[tuple, Any] = {}
 
 
 def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, grid: ActionGrid,
-              requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any) -> list[dict]:  # fmt: skip
+              requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any,
+              calibration: Any = None) -> list[dict]:  # fmt: skip
     """The same held-out requests on the live engine (expertspec/Live-v0): target-only, static-best-train and
     the first learned seed, each with `replay_committed_per_cost`, replay's figure on the same requests (equal
     under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says)."""
@@ -399,14 +419,14 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
                   max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
                   cost=dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec,
                             drafter_spec=cost.drafter_spec),
-                  fit_trace=trace if cost.kind == "fitted" else None)  # fmt: skip
+                  fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration)  # fmt: skip
     local = list(range(len(requests)))
     out = []
     idx = tuple(static[f"{workload}/static-best-train"])
     actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)))] if grid.depths[0] == 0 else []
     actors.append(("static-best-train", lambda v: env.codec.encode(idx)))
     if frozen:
-        actors.append(("ppo-seed0", frozen_runner(frozen[0], env)))
+        actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env)))
     for label, act in actors:
         same = summarize(run_requests(replay, list(requests), act, "index")).committed_per_cost
         reqs = []

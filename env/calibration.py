@@ -16,11 +16,11 @@ Shape letters: S=samples D=depths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engine.runtime.calibration import IsotonicCalibration
 from env.trace import Trace
 
 
@@ -68,38 +68,22 @@ def _isotonic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(knots_x), np.asarray(knots_y)
 
 
-@dataclass(frozen=True)
-class IsotonicCalibration:
-    """Callable (raw confidence, depth 1..) -> P(accepted); plain data, picklable and JSON-able."""
-
-    knots_x: tuple[tuple[float, ...], ...]  # [D] per depth
-    knots_y: tuple[tuple[float, ...], ...]
-
-    def __call__(self, confidence: float, depth: int) -> float:
-        d = min(max(int(depth), 1), len(self.knots_x)) - 1
-        if not self.knots_x[d]:
-            return float(confidence)
-        return float(np.interp(confidence, self.knots_x[d], self.knots_y[d]))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "isotonic",
-            "knots_x": [list(k) for k in self.knots_x],
-            "knots_y": [list(k) for k in self.knots_y],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> IsotonicCalibration:
-        return cls(tuple(tuple(k) for k in d["knots_x"]), tuple(tuple(k) for k in d["knots_y"]))
-
-
 def fit_calibration(trace: Trace, requests: list[int] | None = None, min_samples: int = 20) -> IsotonicCalibration:
     """Isotonic fit per depth on `requests` (default: all); a depth with fewer than `min_samples` samples
     reuses the previous depth's fit (or the identity at depth 1)."""
     requests = list(range(trace.num_requests)) if requests is None else requests
+    return fit_calibration_many([(trace, requests)], min_samples)
+
+
+def fit_calibration_many(parts: list[tuple[Trace, list[int]]], min_samples: int = 20) -> IsotonicCalibration:
+    """One isotonic fit per depth over the samples of several (trace, requests) pairs (one controller for
+    several workloads)."""
+    per = [chain_samples(t, list(r)) for t, r in parts]
+    K = min(len(p) for p in per)
+    samples = [(np.concatenate([p[d][0] for p in per]), np.concatenate([p[d][1] for p in per])) for d in range(K)]
     xs, ys = [], []
     prev: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
-    for c, y in chain_samples(trace, requests):
+    for c, y in samples:
         if len(c) >= min_samples:
             kx, ky = _isotonic(c, y)
             prev = (tuple(kx.tolist()), tuple(ky.tolist()))

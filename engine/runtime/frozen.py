@@ -5,7 +5,7 @@ A frozen policy folder (written by `ctrl.freeze.freeze`) holds
     policy.pt     TorchScript module: observation vector [B, OBS_DIM] -> action logits [B, sum(nvec)]
                   (observation normalisation folded in)
     policy.json   {"format": "expertspec-policy-v1", "obs_signature": OBS_SIGNATURE, "action_grid": {...},
-                   "nvec": [...], "algo": ..., "trained_on": ...}
+                   "nvec": [...], "calibration": {isotonic knots} | null, "algo": ..., ...}
 
 `load_frozen_policy(path)` returns a plain callable `obs -> SpecConfig` (deterministic: argmax per action
 dimension) that the engine takes as `policy=`; it refuses a policy made for another observation layout.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.runtime.action_grid import ActionGrid
+from engine.runtime.calibration import IsotonicCalibration
 from engine.runtime.observation import OBS_DIM, OBS_SIGNATURE, Observation
 from engine.spec.config import SpecConfig
 
@@ -38,6 +40,8 @@ class FrozenPolicy:
         self.grid = ActionGrid.from_dict(card["action_grid"])
         self.nvec = list(card["nvec"])
         self.name = card.get("name", "learned")
+        cal = card.get("calibration")
+        self.calibration = IsotonicCalibration.from_dict(cal) if cal else None
         if self.nvec != self.grid.nvec:
             raise ValueError(f"frozen policy: nvec {self.nvec} does not match its action grid {self.grid.nvec}")
 
@@ -56,6 +60,11 @@ class FrozenPolicy:
         """Stateless: nothing to forget between requests."""
 
     def act(self, obs: Observation) -> SpecConfig:
+        """Observation -> SpecConfig. With a stored calibration, the calibrated confidences are recomputed from
+        the raw ones with it (the map the policy was trained with), whatever the caller's engine used."""
+        if self.calibration is not None:
+            cal = tuple(self.calibration(c, d + 1) if c > 0 else 0.0 for d, c in enumerate(obs.confidence_last))
+            obs = replace(obs, confidence_cal_last=cal)
         return self.grid.spec(self.act_index(obs.vector()))
 
     __call__ = act

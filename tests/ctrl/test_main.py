@@ -22,7 +22,7 @@ from engine.runtime.observation import OBS_DIM
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {"static-best-train", "static-best-test", "cascade", "evict", "ucb", "disco", "sglang-adaptive",
-            "vllm-table", "vllm-goodput", "ppo", "oracle", "target-only"}  # fmt: skip
+            "vllm-table", "vllm-goodput", "ppo", "aggrevate", "oracle", "target-only"}  # fmt: skip
 ROW_FIELDS = {"policy", "workload", "backend", "cost_model", "exact", "committed_per_cost",
               "committed_per_expert_execution", "speedup_vs_ar", "tau", "mean_distinct_experts", "p50_tpot",
               "p95_tpot", "p99_tpot", "frac_requests_slowed"}  # fmt: skip
