@@ -55,7 +55,7 @@ def boundary(cost, conf: MainConf) -> str:
     )
 
 
-POLICY_CACHE_VERSION = 2  # bump when training changes what a cached policy is (2: calibrated observations)
+POLICY_CACHE_VERSION = 3  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card)
 
 
 def _policy_cache(conf: MainConf, traces, cost) -> Path:

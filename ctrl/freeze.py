@@ -38,6 +38,14 @@ class _Actor(nn.Module):
         return self.action_net(self.policy_net(x))
 
 
+def _mlp_card(net: nn.Module, clip: float) -> dict | None:
+    """{"activation", "clip"} when the actor is Linear (Tanh Linear)* (SB3's MlpPolicy): the engine's loader
+    then runs it in numpy (a few µs per round) instead of through TorchScript; None otherwise."""
+    layers = list(net)
+    ok = all(isinstance(m, nn.Linear) for m in layers[0::2]) and all(isinstance(m, nn.Tanh) for m in layers[1::2])
+    return {"activation": "tanh", "clip": clip} if layers and ok and len(layers) % 2 == 0 else None
+
+
 def freeze(model: Any, grid: ActionGrid, path: str | os.PathLike, vec_normalize: Any = None, **card: Any) -> Path:
     """Write `path/` = policy.pt + policy.json atomically (a temp folder renamed into place)."""
     policy = model.policy.to("cpu").eval()
@@ -57,7 +65,7 @@ def freeze(model: Any, grid: ActionGrid, path: str | os.PathLike, vec_normalize:
     try:
         scripted.save(str(tmp / "policy.pt"))
         meta = dict(format=FORMAT, obs_signature=OBS_SIGNATURE, obs_dim=OBS_DIM, action_grid=grid.to_dict(),
-                    nvec=grid.nvec, **card)  # fmt: skip
+                    nvec=grid.nvec, mlp=_mlp_card(actor.policy_net, clip), **card)  # fmt: skip
         (tmp / "policy.json").write_text(json.dumps(meta, indent=2, default=str))
         if out.exists():
             shutil.rmtree(out)

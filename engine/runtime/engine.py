@@ -30,9 +30,9 @@ from engine.models.batching import chain_item, pack, tree_item
 from engine.models.kv_cache import PagedKVCache
 from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
-from engine.runtime.footprint import round_footprint
+from engine.runtime.footprint import round_footprint, virtual_rank_loads
 from engine.runtime.frozen import load_frozen_policy
-from engine.runtime.observation import Observation, observe
+from engine.runtime.observation import History, Observation, observe_history
 from engine.runtime.policy import Policy
 from engine.runtime.session import Session
 from engine.runtime.stats import GenerationResult, RoundStats
@@ -61,6 +61,7 @@ class _Request:
     rounds: list[RoundStats] = field(default_factory=list)
     finish_reason: str | None = None
     prev_pairs: torch.Tensor | None = None  # [L, E] bool experts of the previous round
+    history: History = field(default_factory=History)  # the observation's running folds
 
     @property
     def cached_len(self) -> int:
@@ -118,7 +119,7 @@ class Engine:
         self.timing = timing
         self.cost_model = cost_model
         if virtual_ep is not None and rank_loads is None:
-            rank_loads = _virtual_rank_loads(virtual_ep, target)
+            rank_loads = virtual_rank_loads(virtual_ep, target.config.num_experts)
         self.rank_loads = rank_loads
         self.kv: PagedKVCache | None = None
         # Expert parallelism (engine.ep): every rank must run the same sequence of MoE collectives, so
@@ -387,6 +388,7 @@ class Engine:
             if self.round_cost is not None:
                 stats.cost, stats.cost_ar = self.round_cost(stats)
             r.rounds.append(stats)
+            r.history.add(stats)
             off += n
         if self.check_kv:
             self._check_kv(active, kv)
@@ -483,8 +485,8 @@ class Engine:
     def observe_request(self, req: _Request, batch_size: int = 1) -> Observation:
         """The Observation a policy sees before `req`'s next round (engine.runtime.observation.observe)."""
         cfg = self.target.config
-        return observe(
-            req.rounds,
+        return observe_history(
+            req.history,
             position=len(req.new_tokens),
             max_new_tokens=req.max_new,
             prompt_len=len(req.prompt),
@@ -494,24 +496,6 @@ class Engine:
             num_moe_layers=len(self.target.moe_blocks),
             request_id=req.index,
         )
-
-
-def _virtual_rank_loads(placement, target: Model):
-    """RoundStats' rank imbalance / cross-node ratio for a virtual EP layout (engine.placement)."""
-    from engine.parallel.placement import ExpertPlacement, layout_stats
-
-    if not isinstance(placement, ExpertPlacement):
-        raise TypeError(f"virtual_ep must be an engine.placement.ExpertPlacement, got {type(placement).__name__}")
-    if placement.num_experts != target.config.num_experts:
-        raise ValueError(
-            f"virtual_ep places {placement.num_experts} experts but the target has {target.config.num_experts}"
-        )
-
-    def loads(ids: list[torch.Tensor]) -> tuple[float, float, float]:
-        s = layout_stats(ids, placement)
-        return s.imbalance_mean, s.imbalance_max, s.cross_node_ratio
-
-    return loads
 
 
 def _replace_depth(s: SpecConfig, depth: int) -> SpecConfig:

@@ -9,10 +9,13 @@ Shape letters: L=MoE layers n=verified tokens r=top-r E=experts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from engine.parallel.placement import ExpertPlacement, layout_stats
 
 
 @dataclass
@@ -47,3 +50,19 @@ def round_footprint(expert_ids: Sequence[torch.Tensor], num_experts: int, prev_p
         overlap_prev=overlap,
         new_pairs_per_node=new_per_node,
     )
+
+
+def virtual_rank_loads(placement: Any, num_experts: int) -> Callable[[list[torch.Tensor]], tuple[float, float, float]]:
+    """RoundStats' rank imbalance / cross-node ratio of a virtual EP layout (engine.parallel.placement):
+    L x expert_ids [n, r] -> (imbalance mean, imbalance max, cross-node ratio)."""
+
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(f"virtual_ep must be an engine.placement.ExpertPlacement, got {type(placement).__name__}")
+    if placement.num_experts != num_experts:
+        raise ValueError(f"virtual_ep places {placement.num_experts} experts but the target has {num_experts}")
+
+    def loads(ids: list[torch.Tensor]) -> tuple[float, float, float]:
+        s = layout_stats(ids, placement)
+        return s.imbalance_mean, s.imbalance_max, s.cross_node_ratio
+
+    return loads

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,11 @@ import torch
 
 from engine.runtime.action_grid import ActionGrid
 from engine.runtime.calibration import IsotonicCalibration
-from engine.runtime.observation import OBS_DIM, OBS_SIGNATURE, Observation
+from engine.runtime.observation import KMAX, OBS_DIM, OBS_FIELDS, OBS_SIGNATURE, Observation
 from engine.spec.config import SpecConfig
 
 FORMAT = "expertspec-policy-v1"
+CAL_SLICE = slice(OBS_FIELDS.index("confidence_cal_last_1"), OBS_FIELDS.index(f"confidence_cal_last_{KMAX}") + 1)
 
 
 class FrozenPolicy:
@@ -42,19 +42,31 @@ class FrozenPolicy:
         self.name = card.get("name", "learned")
         cal = card.get("calibration")
         self.calibration = IsotonicCalibration.from_dict(cal) if cal else None
+        ends = np.cumsum(self.nvec)
+        self._slices = [(int(e - n), int(e)) for n, e in zip(self.nvec, ends)]
+        self._specs: dict[tuple[int, ...], SpecConfig] = {}
+        self._mlp = _numpy_mlp(module, card.get("mlp"))
         if self.nvec != self.grid.nvec:
             raise ValueError(f"frozen policy: nvec {self.nvec} does not match its action grid {self.grid.nvec}")
 
     def act_index(self, vector: np.ndarray) -> tuple[int, ...]:
         """Observation vector [OBS_DIM] -> action indices (argmax per MultiDiscrete dimension)."""
-        x = torch.as_tensor(np.asarray(vector, dtype=np.float32)).reshape(1, -1)
-        with torch.inference_mode():
-            logits = self.module(x)[0]
-        out, start = [], 0
-        for n in self.nvec:
-            out.append(int(logits[start : start + n].argmax()))
-            start += n
-        return tuple(out)
+        logits = self.logits(vector)
+        return tuple(int(logits[a:b].argmax()) for a, b in self._slices)
+
+    def logits(self, vector: np.ndarray) -> np.ndarray:
+        """Action logits [sum(nvec)]: the numpy twin of the TorchScript actor when it is a plain MLP."""
+        if self._mlp is not None:
+            mean, std, clip, layers = self._mlp
+            x = np.clip((np.asarray(vector, dtype=np.float32) - mean) / std, -clip, clip)
+            for i, (w, b) in enumerate(layers):
+                x = w @ x + b
+                if i < len(layers) - 1:
+                    x = np.tanh(x)
+            return x
+        x = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32).reshape(1, -1))
+        with torch.no_grad():
+            return self.module(x)[0].numpy()
 
     def reset(self) -> None:
         """Stateless: nothing to forget between requests."""
@@ -62,12 +74,28 @@ class FrozenPolicy:
     def act(self, obs: Observation) -> SpecConfig:
         """Observation -> SpecConfig. With a stored calibration, the calibrated confidences are recomputed from
         the raw ones with it (the map the policy was trained with), whatever the caller's engine used."""
-        if self.calibration is not None:
-            cal = tuple(self.calibration(c, d + 1) if c > 0 else 0.0 for d, c in enumerate(obs.confidence_last))
-            obs = replace(obs, confidence_cal_last=cal)
-        return self.grid.spec(self.act_index(obs.vector()))
+        v = obs.vector()
+        if self.calibration is not None:  # the calibrated block of the vector (observation module's layout)
+            cal = [self.calibration(c, d + 1) if c > 0 else 0.0 for d, c in enumerate(obs.confidence_last)]
+            v[CAL_SLICE] = np.clip(np.asarray(cal, dtype=np.float32), 0.0, 1.0)
+        idx = self.act_index(v)
+        spec = self._specs.get(idx)
+        if spec is None:
+            spec = self._specs[idx] = self.grid.spec(idx)
+        return spec
 
     __call__ = act
+
+
+def _numpy_mlp(module: torch.jit.ScriptModule, mlp: dict | None):
+    """(mean, std, clip, [(W, b)]) of a Linear (Tanh Linear)* actor stored by ctrl.freeze, or None."""
+    if not mlp or mlp.get("activation") != "tanh":
+        return None
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in module.state_dict().items()}
+    hidden = sorted({int(k.split(".")[1]) for k in sd if k.startswith("policy_net.")})
+    layers = [(sd[f"policy_net.{i}.weight"], sd[f"policy_net.{i}.bias"]) for i in hidden]
+    layers.append((sd["action_net.weight"], sd["action_net.bias"]))
+    return sd["mean"], sd["std"], np.float32(mlp["clip"]), layers
 
 
 def load_frozen_policy(path: str | os.PathLike) -> FrozenPolicy:
