@@ -37,6 +37,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.layers import apply_rope, apply_rope_signed, pad_queries, unpad_queries
 from engine.models.moe import MoEBlock, RoutingRecord
+from engine.models.routing import budget_dropped
 from engine.timing import PhaseTimer, maybe_phase
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
@@ -154,9 +155,8 @@ class GptOssMoE(MoEBlock):
         if router_logits is None:
             router_logits = self.gate(x)
         logits = router_logits.float()
-        if expert_budget is not None and self.top_r <= expert_budget < self.num_experts and x.shape[0] > 1:
-            keep = torch.softmax(logits, dim=-1).sum(0).topk(expert_budget).indices  # [B]
-            dropped = torch.ones(self.num_experts, dtype=torch.bool, device=x.device).index_fill_(0, keep, False)
+        dropped = budget_dropped(torch.softmax(logits, dim=-1), expert_budget, self.top_r)
+        if dropped is not None:
             logits = logits.masked_fill(dropped, float("-inf"))
         top, expert_ids = logits.topk(self.top_r, dim=-1)  # [T, r]
         return router_logits, torch.softmax(top, dim=-1).to(x.dtype), expert_ids

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine.models.routing import sigmoid_group_topk
+from engine.models.routing import budget_dropped, sigmoid_group_topk
 from engine.timing import PhaseTimer, maybe_phase
 
 # hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r], topk_weights [T, r] -> [T, D]
@@ -141,9 +141,8 @@ class MoEBlock(nn.Module):
             )  # fmt: skip
             return router_logits, topk_weights.to(x.dtype), expert_ids
         router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-        if expert_budget is not None and self.top_r <= expert_budget < self.num_experts and x.shape[0] > 1:
-            keep = router_probs.sum(0).topk(expert_budget).indices  # [B]
-            dropped = torch.ones(self.num_experts, dtype=torch.bool, device=x.device).index_fill_(0, keep, False)
+        dropped = budget_dropped(router_probs, expert_budget, self.top_r)
+        if dropped is not None:
             router_probs = router_probs.masked_fill(dropped, -1.0)  # every kept prob (>= 0) outranks a dropped one
         topk_weights, expert_ids = torch.topk(router_probs, self.top_r, dim=-1)
         if self.norm_topk_prob:

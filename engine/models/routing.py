@@ -15,6 +15,17 @@ from __future__ import annotations
 import torch
 
 
+def budget_dropped(scores: torch.Tensor, expert_budget: int | None, top_r: int) -> torch.Tensor | None:
+    """MoE-Spec's verification-time expert budget (2602.16052, approximate): scores [T, E] (router probabilities
+    or sigmoid scores) -> bool [E], True for the experts outside the B of largest score summed over the T tokens;
+    None when the budget does not apply (no budget, a single token, or B outside [r, E))."""
+    T, E = scores.shape
+    if expert_budget is None or T <= 1 or not top_r <= expert_budget < E:
+        return None
+    keep = scores.sum(0).topk(expert_budget).indices  # [B]
+    return torch.ones(E, dtype=torch.bool, device=scores.device).index_fill_(0, keep, False)
+
+
 def sigmoid_group_topk(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
@@ -33,9 +44,8 @@ def sigmoid_group_topk(
     T, E = router_logits.shape
     scores = torch.sigmoid(router_logits.float())  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    if expert_budget is not None and top_r <= expert_budget < E and T > 1:
-        keep = scores.sum(0).topk(expert_budget).indices  # [B]
-        dropped = torch.ones(E, dtype=torch.bool, device=scores.device).index_fill_(0, keep, False)
+    dropped = budget_dropped(scores, expert_budget, top_r)
+    if dropped is not None:
         choice = choice.masked_fill(dropped, float("-inf"))
     elif topk_group < n_group:
         group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]

@@ -155,6 +155,15 @@ class Session:
         self._active = [r for r in self._active if r.finish_reason is None]
         return [r.rounds[-1] for r in active]
 
+    def cancel(self, request_id: int, reason: str = "abort") -> None:
+        """Stop request `request_id` between steps (a client left, a stop string matched): it leaves the
+        active set and its KV blocks are free now; its tokens so far stay in `results()`. Idempotent."""
+        r = self.requests[request_id]
+        if r.finish_reason is None:
+            r.finish_reason = reason
+        self._release(r)
+        self._active = [a for a in self._active if a is not r]
+
     # ------------------------------------------------------------------ results / teardown
     def results(self) -> list[GenerationResult]:
         """Every request's result so far (new tokens only), in the order they were added."""
