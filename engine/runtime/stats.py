@@ -7,12 +7,9 @@ reported metric (§5). Shape letters: L=MoE layers E=experts n=verified tokens r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from engine.offload.cache import OffloadStats
 
 
 @dataclass
@@ -50,7 +47,8 @@ class RoundStats:
     time: dict[str, float] = field(default_factory=dict)  # draft, attention, router, experts, combine, ...
     round_seconds: float = 0.0  # measured cost of the round (batched step + this request's drafting)
     modelled_seconds: float | None = None  # roofline cost, when a cost model is attached
-    offload: OffloadStats | None = None  # expert offload of the batched step (Engine(offload=...))
+    offload: Any = None  # engine.offload.cache.OffloadStats of the batched step (Engine(offload=...)); not imported:
+    # offload sits above runtime
     batch_size: int = 1  # requests verified in the same forward
     cost: float | None = None  # T_spec under the engine's round_cost (None: use round_seconds)
     cost_ar: float | None = None  # T_AR (one target-only step) under the same cost source
