@@ -7,8 +7,9 @@
     session.close()                        # every KV block free again (also after an exception)
 
 `Engine.generate` is exactly this loop. Requests may join a running session between steps
-(`session.add(...)`, continuous batching): a request's tokens and random stream depend only on its own
-prompt, sampling parameters and actions, never on the other requests in the batch.
+(`session.add(...)`, continuous batching) and leave early (`session.cancel(rid)`, a client gone): a
+request's tokens and random stream depend only on its own prompt, sampling parameters and actions, never
+on the other requests in the batch.
 
 Actions: None -> the session's `spec` (or its `policy`, consulted per request with the request's
 Observation); a list with one action per active request; or a dict {request id: action}. An action is
