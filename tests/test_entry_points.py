@@ -92,3 +92,18 @@ def test_missing_zoo_says_how_to_build_it(tmp_path, missing):
         timeout=120,
     )
     assert proc.returncode != 0 and "python -m engine.zoo" in proc.stdout + proc.stderr
+
+
+def test_bench_serve_smoke(tmp_path):
+    """`python -m engine.bench serve` at the smallest budget: one policy, one rate, a tiny burst, real client."""
+    out = tmp_path / "bs.json"
+    cmd = [sys.executable, "-m", "engine.bench", "serve", "serve_bench.policies=[none,static-2]"]
+    cmd += ["serve_bench.rates=[4]", "serve_bench.requests=2", "serve_bench.burst=2", "serve_bench.max_tokens=4"]
+    cmd += ["serve_bench.plot=false", f"out={out}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for pol in ("none", "static-2"):
+        scen = res["policies"][pol]["scenarios"]
+        assert scen["burst"]["completed"] == 2 and scen["poisson 4/s"]["ttft"]["p50"] > 0
+    assert res["policies"]["static-2"]["scenarios"]["burst"]["server"]["tau"] > 1.0

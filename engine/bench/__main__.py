@@ -70,6 +70,18 @@ def main(cfg: BenchConfig) -> None:
     if cfg.mode == "decode":
         res = bench_decode(cfg)
         _print_decode(res)
+    elif cfg.mode == "serve":
+        from engine.bench.serve import bench_serve, plot_serve, print_serve
+
+        c = cfg.serve_bench
+        bar = tqdm(total=len(c.policies) * (len(c.rates) + 1), desc="serve scenarios")
+        res = bench_serve(cfg, progress=lambda: bar.update(1))
+        bar.close()
+        print_serve(res)
+        if c.plot:
+            png = Path(hydra.utils.to_absolute_path((cfg.out or "bench_serve.json").rsplit(".", 1)[0] + "_tpot.png"))
+            plot_serve(res, png)
+            print(f"plot: {png}")
     elif cfg.mode == "cost":
         from engine.bench.cost import bench_cost, print_cost
 

@@ -25,6 +25,22 @@ ROOFLINE_OF_GROUP = {
 
 
 @dataclass
+class ServeBenchConfig:
+    """Settings of `python -m engine.bench serve` (engine/bench/serve.py)."""
+
+    policies: list[str] = field(default_factory=lambda: ["none", "static-3", "learned"])
+    learned_path: str | None = None  # a frozen policy folder; None: the main job's cached measured-cpu learner
+    rates: list[float] = field(default_factory=lambda: [1.0, 4.0, 16.0])  # requests / second (Poisson)
+    requests: int = 12  # per rate
+    burst: int = 16
+    max_tokens: int = 32
+    timeout_s: float = 120.0  # per scenario
+    max_batch: int = 16
+    seed: int = 0
+    plot: bool = True
+
+
+@dataclass
 class CostBenchConfig:
     """Settings of `python -m engine.bench cost` (the `cost.` group of BenchConfig)."""
 
@@ -62,7 +78,7 @@ class CostBenchConfig:
     seed: int = 0
 
 
-MODES = ("decode", "spec", "cost")
+MODES = ("decode", "spec", "cost", "serve")
 
 
 @dataclass
@@ -85,3 +101,4 @@ class BenchConfig:
     out: str | None = None
     mem_bandwidth: float = 14e9  # B/s, one-thread read bandwidth of this machine class (DESIGN §8)
     cost: CostBenchConfig = field(default_factory=CostBenchConfig)  # mode=cost settings (cost.sizes=...)
+    serve_bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)  # mode=serve settings
