@@ -92,7 +92,7 @@ def chat_prompts(n: int = 16) -> list[Prompt]:
     for key in keys[1 :: max(1, len(keys) // (n * 2))]:
         first = topics[key].strip().split("\n\n")[0].replace("\n", " ")[:160]
         if len(first) > 40:
-            out.append(Prompt(f"User: Can you explain {key} in Python? I read: \"{first}\"\nAssistant:", "chat"))
+            out.append(Prompt(f'User: Can you explain {key} in Python? I read: "{first}"\nAssistant:', "chat"))
         if len(out) >= n:
             break
     return out

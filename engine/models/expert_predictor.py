@@ -111,8 +111,6 @@ def popularity_recall(train_ids: torch.Tensor, heldout_ids: torch.Tensor, num_ex
 # ---------------------------------------------------------------------------------------------- drafter hook
 
 
-
-
 # ---------------------------------------------------------------------------------------------- save / load
 def save_expert_predictor(
     predictor: ExpertPredictor, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None

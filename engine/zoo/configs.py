@@ -107,8 +107,6 @@ class TrainHeadsConf:
     eval: EvalConf = field(default_factory=EvalConf)
 
 
-
-
 def smoke_conf(conf: TrainHeadsConf) -> TrainHeadsConf:
     """The `smoke=true` budgets: seconds, not minutes (the test of the entry point)."""
     tiny = HeadTrainConf(steps=60, batch_size=8, lr=3e-3, warmup_steps=4)
@@ -210,8 +208,6 @@ class ZooConf:
     drafter: DrafterConf = field(default_factory=DrafterConf)
     heads: TrainHeadsConf = field(default_factory=TrainHeadsConf)  # EAGLE / MTP heads, expert predictor
     train_heads: bool = True
-
-
 
 
 # Fields shared by both configs: SiLU, default RoPE, tied embeddings, <|endoftext|> = 0 = bos/eos, <|pad|> = 1.

@@ -20,8 +20,16 @@ class ScriptedTarget(Model):
         self.script = script
         self.eval().requires_grad_(False)
 
-    def forward_batch(self, batch, kv, record_routing=False, timer=None, keep_router_logits=False, expert_budget=None,
-                      feature_layers=None):
+    def forward_batch(
+        self,
+        batch,
+        kv,
+        record_routing=False,
+        timer=None,
+        keep_router_logits=False,
+        expert_budget=None,
+        feature_layers=None,
+    ):
         pos = batch.positions.tolist()
         logits = torch.full((len(pos), self.vocab_size), -10.0)
         for i, p in enumerate(pos):

@@ -204,9 +204,12 @@ def test_policy_gets_the_shared_observation(zoo):
         seen.append(obs)
         return CHAIN
 
-    engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, policy=policy)
-    assert all(isinstance(o, Observation) for o in seen)
-    assert seen[0].round_index == 0 and seen[1].round_index == 1 and seen[1].position == seen[0].position + (
-        seen[1].position - seen[0].position
-    )
+    (res,) = engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, policy=policy)
+    assert all(isinstance(o, Observation) for o in seen) and len(seen) == len(res.rounds)
+    committed = [0]
+    for r in res.rounds:
+        committed.append(committed[-1] + r.committed)
+    assert [o.round_index for o in seen] == list(range(len(seen)))
+    assert [o.position for o in seen] == committed[:-1]  # new tokens before each round
+    assert [o.accepted_last for o in seen[1:]] == [r.accepted for r in res.rounds[:-1]]
     assert seen[-1].vector().shape == seen[0].vector().shape
