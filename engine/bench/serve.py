@@ -150,6 +150,8 @@ def bench_serve(cfg: Any, progress=None) -> dict:
     out: dict[str, Any] = {"config": dict(vars(c)), "policies": {}}
     for policy in c.policies:
         spec = learned_policy(c.learned_path) if policy == "learned" else policy
+        if Path(policy).is_dir():  # a frozen policy folder named directly: label it by its cost model
+            policy = f"learned:{Path(policy).parents[1].name}"
         server = Server(spec, c.max_batch)
         try:
             server.wait()
