@@ -70,21 +70,22 @@ def plot_all(per_policy: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    color = {name: f"C{i}" for i, name in enumerate(per_policy)}  # one colour per policy in every panel
     for name, d in per_policy.items():
         a = d.get("acceptance_by_depth") or []
         if a:
-            ax[0].plot(range(1, len(a) + 1), a, marker="o", label=name)
+            ax[0].plot(range(1, len(a) + 1), a, marker="o", label=name, color=color[name], alpha=0.8)
         s = sorted(d.get("request_speedups") or [])
         if s:
-            ax[1].step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", label=name)
+            ax[1].step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", label=name, color=color[name])
         fp = d.get("footprint") or []
         if fp:
-            ax[2].scatter([x for x, _ in fp], [y for _, y in fp], s=6, alpha=0.4, label=name)
+            ax[2].scatter([x for x, _ in fp], [y for _, y in fp], s=6, alpha=0.4, label=name, color=color[name])
     ax[0].set(title="acceptance by depth a_d", xlabel="depth d", ylabel="P(accepted | parent accepted)")
     ax[1].axvline(1.0, color="k", lw=0.8, ls="--")
     ax[1].set(title="per-request speed-up vs plain decoding (CDF)", xlabel="speed-up", ylabel="share of requests")
     ax[2].set(title="expert footprint vs verified tokens", xlabel="verified tokens n", ylabel="experts / layer")
-    ax[0].legend(fontsize=7)
+    ax[1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     p = out_dir / "policies.png"
     fig.savefig(p, dpi=110)
@@ -93,8 +94,8 @@ def plot_all(per_policy: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]
     acts = {k: v["actions"] for k, v in per_policy.items() if v.get("actions")}
     if acts:
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        for name, a in acts.items():
-            ax.step(range(len(a)), [k for k, _ in a], where="post", label=name)
+        for i, (name, a) in enumerate(acts.items()):
+            ax.step(range(len(a)), [k for k, _ in a], where="post", label=name, color=f"C{i}")
         ax.set(title="chosen depth K over one held-out request", xlabel="round", ylabel="K")
         ax.legend(fontsize=7)
         fig.tight_layout()
