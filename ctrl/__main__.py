@@ -67,6 +67,8 @@ def _policy_cache(conf: MainConf, traces, cost) -> Path:
 
 def run(conf: MainConf, out_dir: Path) -> dict:
     check_conf(conf)
+    if conf.wandb.dir is None:  # W&B runs (offline by default) go next to the report, not into the policy cache
+        conf.wandb.dir = str(out_dir)
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     w = conf.workloads

@@ -23,6 +23,8 @@ def main(cfg) -> None:
     conf: MainConf = OmegaConf.to_object(cfg)
     check_conf(conf)
     out = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / conf.out_dir / "policies"
+    if conf.wandb.dir is None:
+        conf.wandb.dir = str(out.parent)
     traces = record_traces(conf)
     for cost in conf.costs:
         bar = tqdm(total=conf.algo.total_timesteps * len(conf.seeds), desc=f"train PPO ({cost.name})", unit="step")
