@@ -206,3 +206,21 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="unknown policy"):
         check_conf(conf)
     assert not (tmp_path / "cache").exists()
+
+
+def test_train_and_evaluate_entry_points(smoke_run):
+    """`python -m ctrl.train` writes frozen policies; `python -m ctrl.evaluate policy_path=...` evaluates one."""
+    tmp, _, _ = smoke_run
+    run = tmp / "train_run"
+    cmd = [sys.executable, "-m", "ctrl.train", "+experiment=main_smoke", "learners=[aggrevate]", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    policies = sorted(run.rglob("policy.json"))
+    assert len(policies) == 2  # one per cost model (one seed)
+    ev = tmp / "eval_run"
+    cmd = [sys.executable, "-m", "ctrl.evaluate", "+experiment=main_smoke", f"policy_path={policies[0].parent}",
+           f"hydra.run.dir={ev}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((ev / "results.json").read_text())
+    assert {"learned", "learned-seed0", "oracle"} <= {r["policy"] for r in rows}
