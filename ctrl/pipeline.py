@@ -105,9 +105,12 @@ def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Seque
                calibration: Any = None):  # fmt: skip
     from env.replay import ReplayEnv
 
-    return ReplayEnv(trace, grid=grid, cost=dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec,
-                                                 drafter_spec=cost.drafter_spec), requests=requests,
-                     calibration=calibration)  # fmt: skip
+    return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration)
+
+
+def env_cost(cost: CostSpecConf) -> dict[str, Any]:
+    """The environments' `cost` argument (env.costs.CostConf fields) of a cost model of the main job."""
+    return dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec, drafter_spec=cost.drafter_spec)
 
 
 def calibrate(conf: MainConf, traces: dict[str, Any]) -> Any:
@@ -148,7 +151,7 @@ def static_costs(env: Any, requests: Sequence[int]) -> np.ndarray:
     return total
 
 
-def profile(env: Any, requests: Sequence[int], grid: ActionGrid) -> dict[str, Any]:
+def profile(env: Any, requests: Sequence[int], grid: ActionGrid, static: np.ndarray) -> dict[str, Any]:
     """What the published rules are configured with, measured on training prompts only: the verification cost
     curve T_verify(n)/T_AR (EVICT's profiled C(k)), the round cost ITL(K)/T_AR (vLLM's profiled ITL at batch
     size 1), acceptance per draft position (vLLM's prior) and the best static K (a vLLM batch-size table)."""
@@ -181,8 +184,7 @@ def profile(env: Any, requests: Sequence[int], grid: ActionGrid) -> dict[str, An
             itl[k] = itl[k - 1]
     acc = summarize(acc_rounds).acceptance_by_depth
     acc = [0.0 if a != a else float(a) for a in acc] + [0.0] * (kmax - len(acc))
-    costs = static_costs(env, requests)
-    best = grid.spec(_unflat(env, int(np.argmin(costs))))
+    best = grid.spec(_unflat(env, int(np.argmin(static))))  # static: static_costs(env, requests)
     return {"verify_curve": curve, "itl": itl, "acceptance": acc[:kmax], "best_static_k": best.depth}
 
 
@@ -249,10 +251,6 @@ def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
         return env.unwrapped.codec.encode(idx)
 
     return act
-
-
-def as_dict(conf: Any) -> dict[str, Any]:
-    return asdict(conf)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -328,7 +326,7 @@ def evaluate(
             extras["static"][f"{name}/{label}"] = list(idx)
         add("target-only", run_requests(env, test_ids, lambda obs: SpecConfig(depth=0, width=1), "spec"))
         # published / shipped adaptive rules, configured from the training prompts
-        prof = profile(env, train_ids, grid)
+        prof = profile(env, train_ids, grid, c_train)
         extras["profile"][name] = prof
         for pname in conf.policies:
             pol = POLICY_FACTORIES[pname](prof, grid)
@@ -417,8 +415,7 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     sampling = {"temperature": conf.workloads.temperature, "seed": 0} if conf.workloads.temperature > 0 else None
     env = LiveEnv(models=_MODELS[key], prompts=[trace.prompt(i) for i in requests],
                   max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
-                  cost=dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec,
-                            drafter_spec=cost.drafter_spec),
+                  cost=env_cost(cost),
                   fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration)  # fmt: skip
     local = list(range(len(requests)))
     out = []

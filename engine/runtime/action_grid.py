@@ -10,7 +10,7 @@ policy, so all three agree on what an index means.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.spec.config import SpecConfig
@@ -23,7 +23,6 @@ class ActionGrid:
     lams: tuple[float, ...] = (0.0,)
     rules: tuple[tuple[str, float], ...] = (("all", 0.0), ("threshold", 0.1), ("threshold", 0.3))
     frontier: int | None = None  # bounded frontier per depth (None = W, EAGLE-2)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("depths", "widths", "lams", "rules"):
@@ -46,10 +45,6 @@ class ActionGrid:
     @property
     def max_depth(self) -> int:
         return max(self.depths)
-
-    @property
-    def max_width(self) -> int:
-        return max(self.widths)
 
     def check(self, index: Sequence[int]) -> tuple[int, int, int, int]:
         """A valid index vector as ints, or a ValueError naming the bad entry and the space."""
@@ -88,14 +83,8 @@ class ActionGrid:
         except ValueError as err:
             raise ValueError(f"{spec} is not on the action grid {self.to_dict()}") from err
 
-    def all_indices(self) -> list[tuple[int, int, int, int]]:
-        import itertools
-
-        return list(itertools.product(*(range(n) for n in self.nvec)))
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.pop("extra")
         d["rules"] = [list(r) for r in self.rules]
         return d
 

@@ -236,8 +236,7 @@ class Engine:
             self.offload.stats.reset()
         if self.drafter is not None:
             self.drafter.prepare(lengths + ([reserve_tokens] if reserve_tokens else []))
-        session = Session(self, spec, policy)
-        session.kv = kv
+        session = Session(self, kv, spec, policy)
         self._session = session
         try:
             session.add(prompts, max_new_tokens, sampling, eos_token_id)

@@ -39,7 +39,7 @@ from engine.spec.sampling import SamplingParams, make_generator
 class Session:
     """Requests being generated together over the engine's paged KV cache (see the module docstring)."""
 
-    def __init__(self, engine: Any, spec: SpecConfig | None, policy: Policy | None) -> None:
+    def __init__(self, engine: Any, kv: Any, spec: SpecConfig | None, policy: Policy | None) -> None:
         """engine: the `engine.runtime.engine.Engine` that opened the session (it owns the model and caches;
         not imported here, so the session module sits below the engine module)."""
         self.engine = engine
@@ -49,7 +49,7 @@ class Session:
         self._active: list[Any] = []
         self.failed: BaseException | None = None
         self.closed = False
-        self.kv = None
+        self.kv = kv  # the engine's PagedKVCache, sized by Engine.start
 
     # ------------------------------------------------------------------ membership
     @property
