@@ -44,6 +44,7 @@ from engine.cost.drafter_cost import (
     DrafterRoofline,
     DrafterSpec,
     FittedDrafterCost,
+    drafter_spec_from_hf_config,
     fit_drafter_cost,
     load_drafter_spec,
 )
@@ -301,23 +302,6 @@ def drafter_spec_name(conf: CostConf, drafter_name: str | None, model_spec: str)
     return f"{model_spec}_{kind}"
 
 
-def _head_spec_for(cfg: dict[str, Any]) -> DrafterSpec:
-    """A one-layer EAGLE-style head at the target's own size (the zoo heads), full vocabulary."""
-    heads = cfg["num_attention_heads"]
-    return DrafterSpec(
-        name="target_head",
-        kind="eagle3",
-        num_layers=1,
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg.get("intermediate_size") or 4 * cfg["hidden_size"],
-        num_attention_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        lm_head_vocab=cfg["vocab_size"],
-        fusion_inputs=2,
-    )
-
-
 def make_cost_model(
     conf: CostConf, target_meta: dict[str, Any], drafter_name: str | None = None, trace: Any = None
 ) -> CostModel:
@@ -333,7 +317,8 @@ def make_cost_model(
     if conf.model_spec == "target":
         cfg = json.loads((Path(target_meta["path"]) / "config.json").read_text())
         spec = model_spec_from_hf_config(cfg, name="target")
-        drafter = conf.drafter_spec if conf.drafter_spec != "auto" else _head_spec_for(cfg)
+        head = drafter_spec_from_hf_config(cfg, "eagle3", "target_head")  # a one-layer head at the target's size (zoo)
+        drafter = conf.drafter_spec if conf.drafter_spec != "auto" else head
     else:
         spec = load_model_spec(conf.model_spec)
         drafter = drafter_spec_name(conf, drafter_name, conf.model_spec)

@@ -148,6 +148,7 @@ def _fused_moe_gate_up_kernel(
     stride_ht,
     stride_we,
     stride_wn,
+    stride_wk,
     stride_it,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -173,7 +174,7 @@ def _fused_moe_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = hidden_ptr + token[:, None] * stride_ht + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     # gate rows n and up rows F + n of this expert, read transposed as [BLOCK_K, BLOCK_N]
-    g_ptrs = w_gate_up_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    g_ptrs = w_gate_up_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     up_shift = F * stride_wn
 
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -189,7 +190,7 @@ def _fused_moe_gate_up_kernel(
         acc_gate = tl.dot(a, w_gate, acc=acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, w_up, acc=acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
 
     # fused SiLU-and-multiply; kept in fp32 (A x F is tiny next to the weights)
     inter = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -211,6 +212,7 @@ def _fused_moe_down_kernel(
     stride_it,
     stride_we,
     stride_wn,
+    stride_wk,
     stride_pt,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -234,7 +236,7 @@ def _fused_moe_down_kernel(
     n_mask = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + assign[:, None] * stride_it + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_down_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+    w_ptrs = w_down_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [K, N]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
@@ -247,7 +249,7 @@ def _fused_moe_down_kernel(
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
 
     # routing weight folded in here, so the combine is a plain sum over slots
     route_w = tl.load(topk_weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
@@ -311,9 +313,8 @@ def fused_moe_configured(
     T, D, E, F, r = check_moe_inputs(hidden, w_gate_up, w_down, expert_ids, topk_weights, check_values=False)
     if hidden.dtype not in _TRITON_DTYPES:
         raise ValueError(f"Triton fused_moe supports {_TRITON_DTYPES}, got {hidden.dtype}")
-    for name, t in (("hidden", hidden), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    if not hidden.is_contiguous():
+        raise ValueError("hidden must be contiguous")  # the weights may have any strides (engine.models.layout)
     if not (expert_ids.is_contiguous() and topk_weights.is_contiguous()):
         raise ValueError("expert_ids and topk_weights must be contiguous")
     for name, v in asdict(config).items():
@@ -338,7 +339,7 @@ def fused_moe_configured(
         _fused_moe_gate_up_kernel, grid,
         hidden, w_gate_up, inter, align.sorted_ids, align.block_expert_ids,
         num_assign, r, D, F,
-        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter.stride(0),
+        hidden.stride(0), *w_gate_up.stride(), inter.stride(0),
         **tiles, **opts,
     )  # fmt: skip
     grid = (num_blocks * triton.cdiv(D, config.BLOCK_N),)
@@ -346,7 +347,7 @@ def fused_moe_configured(
         _fused_moe_down_kernel, grid,
         inter, w_down, topk_weights, partial, align.sorted_ids, align.block_expert_ids,
         num_assign, D, F,
-        inter.stride(0), w_down.stride(0), w_down.stride(1), partial.stride(0),
+        inter.stride(0), *w_down.stride(), partial.stride(0),
         **tiles, **opts,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(D))
@@ -366,7 +367,8 @@ def fused_moe(
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (forward only): same arguments and result, block sizes from
-    `get_config`. Needs contiguous fp32/bf16/fp16 tensors on CUDA (or CPU under TRITON_INTERPRET=1)."""
+    `get_config`. Needs fp32/bf16/fp16 tensors (hidden contiguous; weights of any strides) on CUDA
+    (or CPU under TRITON_INTERPRET=1)."""
     T, D = hidden.shape if hidden.dim() == 2 else (0, 0)
     F = w_down.shape[-1] if w_down.dim() == 3 else 0
     return fused_moe_configured(hidden, w_gate_up, w_down, expert_ids, topk_weights, get_config(T, D, F))

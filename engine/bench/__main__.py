@@ -38,14 +38,36 @@ def _print_decode(res: dict) -> None:
     s = res["step"]
     print(
         f"\ndecode step {s['step_seconds'] * 1e3:.2f} ms vs weight-read bound {s['bound_seconds'] * 1e3:.2f} ms "
-        f"({s['weight_bytes'] / 1e6:.1f} MB touched): {s['bound_ratio']:.1f}x the bound"
+        f"({s['weight_bytes'] / 1e6:.1f} MB touched at {s['bandwidth_Bps'] / 1e9:.1f} GB/s measured): "
+        f"{s['bound_ratio']:.1f}x the bound"
     )
     print(
         "\nverification cost curve T(n)/T(1): "
         + "  ".join(f"n={r['tokens']}: {r['seconds'] * 1e3:.2f} ms ({r['ratio']:.2f}x)" for r in res["verify_curve"])
     )
+    if "bound" in res:
+        _print_bound(res["bound"])
     for w in res.get("warnings", []):
         print("WARNING:", w)
+
+
+def _print_bound(res: dict) -> None:
+    bw, after = res["bandwidth"], res["bandwidth_after"]
+    print(
+        f"\n== unseen random checkpoints vs the weight-read bound (fp32, batch 1, one thread) ==\n"
+        f"streaming read {bw['stream_Bps'] / 1e9:.1f} GB/s (after: {after['stream_Bps'] / 1e9:.1f}), large gemv "
+        f"{bw['gemv_Bps'] / 1e9:.1f} GB/s, large GEMM {bw['gemm_flops'] / 1e9:.0f} GFLOP/s"
+    )
+    print(f"{'shape':>16} {'n':>3} {'U/layer':>7} {'MB read':>8} {'ms':>7} {'bound ms':>8} {'x bound':>7} "
+          f"{'x gemv':>6} {'x roofline':>10} {'hf ms':>7} {'vs hf':>6}")  # fmt: skip
+    for name, shape in res["shapes"].items():
+        for r in shape["rows"]:
+            hf = f"{r['hf_seconds'] * 1e3:>7.2f} {r['speedup_vs_hf']:>5.2f}x" if "hf_seconds" in r else ""
+            print(
+                f"{name:>16} {r['tokens']:>3} {r['mean_distinct_experts']:>7.1f} {r['weight_bytes'] / 1e6:>8.1f} "
+                f"{r['seconds'] * 1e3:>7.2f} {r['bound_seconds'] * 1e3:>8.2f} {r['bound_ratio']:>6.2f}x "
+                f"{r['gemv_bound_ratio']:>5.2f}x {r['roofline_ratio']:>9.2f}x {hf}"
+            )
 
 
 def _quiet_transformers() -> None:
@@ -68,7 +90,9 @@ def main(cfg: BenchConfig) -> None:
     if cfg.mode in ("decode", "spec"):
         _quiet_transformers()
     if cfg.mode == "decode":
-        res = bench_decode(cfg)
+        bar = tqdm(total=len(cfg.bound.shapes) if cfg.bound.enabled else 0, desc="unseen shapes")
+        res = bench_decode(cfg, progress=lambda name: bar.update(1))
+        bar.close()
         _print_decode(res)
     elif cfg.mode == "serve":
         from engine.bench.serve import bench_serve, plot_serve, print_serve

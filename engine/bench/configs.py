@@ -41,6 +41,40 @@ class ServeBenchConfig:
 
 
 @dataclass
+class BoundShape:
+    """One random checkpoint of `python -m engine.bench`'s bound table (transformers config names)."""
+
+    name: str
+    model_type: str = "qwen3_moe"
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_experts: int = 16
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 512
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    vocab_size: int = 8192
+    shared_expert_intermediate_size: int = 0  # qwen2_moe only
+
+
+DEFAULT_SHAPES = [
+    BoundShape("h256-e16-top2", "qwen2_moe", 256, 8, 16, 2, 512, 4, 2, 8192, 1024),
+    BoundShape("h512-e32-top4", "qwen3_moe", 512, 6, 32, 4, 512, 8, 2, 8192),
+    BoundShape("h1024-e64-top8", "qwen3_moe", 1024, 4, 64, 8, 512, 16, 4, 8192),
+]
+
+
+@dataclass
+class BoundBenchConfig:
+    """The weight-read bound table of `python -m engine.bench` (decode mode; engine/bench/bound.py)."""
+
+    enabled: bool = True
+    shapes: list[BoundShape] = field(default_factory=lambda: list(DEFAULT_SHAPES))
+    sizes: list[int] = field(default_factory=lambda: [2, 4, 8, 16])  # verification forwards of n tokens
+    new_tokens: int = 32  # decode steps timed per repeat
+
+
+@dataclass
 class CostBenchConfig:
     """Settings of `python -m engine.bench cost` (the `cost.` group of BenchConfig)."""
 
@@ -99,6 +133,6 @@ class BenchConfig:
     lams: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0, 2.0, 4.0])
     hf: bool = True  # also run transformers (decode) / assisted generation (spec)
     out: str | None = None
-    mem_bandwidth: float = 14e9  # B/s, one-thread read bandwidth of this machine class (DESIGN §8)
+    bound: BoundBenchConfig = field(default_factory=BoundBenchConfig)  # decode mode: random unseen shapes
     cost: CostBenchConfig = field(default_factory=CostBenchConfig)  # mode=cost settings (cost.sizes=...)
     serve_bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)  # mode=serve settings

@@ -8,13 +8,14 @@ import time
 
 import torch
 
+from engine.bench.bound import bench_bound, measure_bandwidth
 from engine.bench.common import bench_paths, bench_prompts, equal_length, hf_generate
 from engine.bench.configs import BenchConfig
 from engine.cost.verify_curve import cached_verify_curve
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def bench_decode(cfg: BenchConfig) -> dict:
+def bench_decode(cfg: BenchConfig, progress=None) -> dict:
     import engine
 
     target_path, _ = bench_paths(cfg)
@@ -50,12 +51,16 @@ def bench_decode(cfg: BenchConfig) -> dict:
             row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
         results[f"batch{bsz}"] = row
     # decode step vs the memory-bandwidth bound, and the verification cost curve T(n)/T(1)
-    results["step"] = _step_vs_bound(ours, cfg)
+    bw = measure_bandwidth()  # the bound's bandwidth, measured in this run
+    results["step"] = _step_vs_bound(ours, cfg, bw["stream_Bps"])
     results["verify_curve"] = cached_verify_curve(ours, [1, 2, 4, 8, 16, 32], cfg.repeats)
+    if cfg.bound.enabled:  # random unseen shapes: decode and verification against the weight-read bound
+        b = cfg.bound
+        results["bound"] = bench_bound(b.shapes, b.sizes, b.new_tokens, cfg.repeats, cfg.hf, progress, bw)
     return results
 
 
-def _step_vs_bound(model, cfg: BenchConfig) -> dict:
+def _step_vs_bound(model, cfg: BenchConfig, bandwidth: float) -> dict:
     import engine
 
     prompt = bench_prompts(cfg, model, 1)
@@ -73,10 +78,11 @@ def _step_vs_bound(model, cfg: BenchConfig) -> dict:
         dense += model.lm_head.weight.numel()
     expert = 3 * cfgm.hidden_size * cfgm.moe_intermediate_size
     touched = (dense + len(cfgm.moe_layers) * mean_u * expert) * per_param
-    bound = touched / cfg.mem_bandwidth
+    bound = touched / bandwidth
     return {
         "step_seconds": step_s,
         "weight_bytes": touched,
         "bound_seconds": bound,
         "bound_ratio": step_s / bound,
+        "bandwidth_Bps": bandwidth,
     }

@@ -26,8 +26,9 @@ Shape letters: t=tokens of one drafter forward K=depth W=width D=hidden F=FFN di
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -74,6 +75,31 @@ def load_drafter_spec(name_or_path: str) -> DrafterSpec:
     """A spec from conf/drafter_spec/<name>.yaml or a YAML path; ValueError names missing fields or the
     available specs."""
     return _load_yaml_dataclass(DrafterSpec, "drafter_spec", name_or_path)
+
+
+def drafter_spec_from_hf_config(
+    config: Mapping[str, Any], kind: str = "dense", name: str = "hf", weight_bytes: float = 2.0
+) -> DrafterSpec:
+    """DrafterSpec of a Hugging Face `config.json`: kind "dense", the model itself (a small independent drafter);
+    kind "eagle3", a one-layer EAGLE-style head at that (target) model's size over its full vocabulary (the zoo
+    heads: two fused features)."""
+    heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    head = kind == "eagle3"
+    return DrafterSpec(
+        name=name,
+        kind=kind,
+        num_layers=1 if head else config["num_hidden_layers"],
+        hidden_size=hidden,
+        intermediate_size=config.get("intermediate_size") or 4 * hidden,
+        num_attention_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        lm_head_vocab=config["vocab_size"],
+        fusion_inputs=2 if head else 0,
+        weight_bytes=weight_bytes,
+        activation_bytes=weight_bytes,
+    )
 
 
 def draft_forward_sizes(depth: int, width: int, expert_aware: bool = False) -> list[int]:

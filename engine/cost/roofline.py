@@ -322,6 +322,15 @@ class RooflineCost:
         s = self.spec
         return self._roof(s.hidden_size * s.num_experts * s.dense_weight_bytes, 2.0 * n * s.hidden_size * s.num_experts)
 
+    def _dense_ffn_time(self, n: int) -> float:
+        s = self.spec
+        params = 3 * s.hidden_size * s.dense_ffn_dim
+        return self._roof(params * s.dense_weight_bytes, 2.0 * n * params)
+
+    def _lm_head_time(self, n: int) -> float:
+        s = self.spec
+        return self._roof(s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size)
+
     def _dispatch_time(self, token_rank: torch.Tensor, serving: torch.Tensor, placement: ExpertPlacement) -> float:
         """One all-to-all: each token goes once to every remote rank serving one of its experts."""
         W, rpn = placement.world_size, placement.ranks_per_node
@@ -360,10 +369,7 @@ class RooflineCost:
         per_layer = []
         launch = LAUNCHES_PER_LAYER * self.hw.launch_overhead
         attn = self._attention_time(n, context_len)
-        dense_ffn = self._roof(
-            3 * s.hidden_size * s.dense_ffn_dim * s.dense_weight_bytes,
-            6.0 * n * s.hidden_size * s.dense_ffn_dim,
-        )
+        dense_ffn = self._dense_ffn_time(n)
         for _ in range(s.num_dense_layers):
             parts["attention"] += attn
             parts["other"] += dense_ffn + launch
@@ -396,11 +402,37 @@ class RooflineCost:
             parts["combine"] += dispatch  # the reverse all-to-all moves the same bytes
             parts["other"] += launch
             per_layer.append(attn + router + expert + 2 * dispatch + launch)
-        lm_head = self._roof(
-            s.vocab_size * s.hidden_size * s.dense_weight_bytes, 2.0 * n * s.vocab_size * s.hidden_size
-        )
-        parts["other"] += lm_head + LAUNCHES_PER_FORWARD * self.hw.launch_overhead
+        parts["other"] += self._lm_head_time(n) + LAUNCHES_PER_FORWARD * self.hw.launch_overhead
         return CostBreakdown(**parts, per_layer=tuple(per_layer))
+
+    def counts_cost(self, tokens_per_expert: torch.Tensor | None, num_tokens: int, context_len: int) -> float:
+        """Total seconds of a forward over `num_tokens` without an EP layout, from its expert token counts
+        [L, E] (RoundStats.tokens_per_expert; None: uniform routing, as `expected_cost`). Equals
+        `forward_cost(routing, context_len).total` for a routing with these counts, in scalar arithmetic (a
+        few µs: cheap enough to price every served round)."""
+        if self.layout is not None:
+            raise ValueError("counts_cost prices a forward without an EP layout; use forward_cost(routing, ...)")
+        s, n = self.spec, num_tokens
+        if tokens_per_expert is None:
+            active = expected_distinct_experts(s.num_experts, s.top_r, n)
+            experts = s.num_moe_layers * self._expected_experts_time(n, active)
+        else:
+            if tuple(tokens_per_expert.shape) != (s.num_moe_layers, s.num_experts):
+                raise ValueError(f"tokens_per_expert has shape {tuple(tokens_per_expert.shape)}, spec {s.name} needs "
+                                 f"[{s.num_moe_layers}, {s.num_experts}]")  # fmt: skip
+            experts = self._experts_time(tokens_per_expert.reshape(-1))
+        launch = LAUNCHES_PER_LAYER * self.hw.launch_overhead
+        attn = self._attention_time(n, context_len)
+        dense = s.num_dense_layers * (attn + self._dense_ffn_time(n) + launch)
+        moe = s.num_moe_layers * (attn + self._router_time(n) + self._shared_time(n) + launch)
+        return dense + moe + experts + self._lm_head_time(n) + LAUNCHES_PER_FORWARD * self.hw.launch_overhead
+
+    def _expected_experts_time(self, n: int, active: float) -> float:
+        """One MoE layer's routed experts under uniform routing: `active` experts with n·r/active tokens each."""
+        if active <= 0:
+            return 0.0
+        s = self.spec
+        return active * self._roof(s.expert_bytes, 6.0 * s.hidden_size * s.expert_dim * (n * s.top_r / active))
 
     def decode_cost(self, context_len: int, routing: Sequence[torch.Tensor] | None = None) -> CostBreakdown:
         """T_AR: one target-only token. Without routing, the expectation under uniform routing."""
@@ -430,7 +462,6 @@ class RooflineCost:
             return CostBreakdown(**mean, per_layer=per_layer)
         base = self.forward_cost([torch.zeros(num_tokens, 0, dtype=torch.long)] * s.num_moe_layers, context_len)
         active = expected_distinct_experts(s.num_experts, s.top_r, num_tokens)
-        per_expert = torch.tensor([num_tokens * s.top_r / active]) if active > 0 else torch.zeros(1)
-        expert = self._experts_time(per_expert, count=active)  # shared experts are already in `base`
+        expert = self._expected_experts_time(num_tokens, active)  # shared experts are already in `base`
         per_layer = tuple(t + (expert if i >= s.num_dense_layers else 0.0) for i, t in enumerate(base.per_layer))
         return dataclasses.replace(base, expert_gemm=base.expert_gemm + s.num_moe_layers * expert, per_layer=per_layer)

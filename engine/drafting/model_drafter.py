@@ -74,12 +74,14 @@ class ModelDrafter:
             predictor = predictor.eval().requires_grad_(False)
         self.predictor = predictor
         self.block_size = block_size
+        self.cuda_graphs = False  # set by Engine(cuda_graphs=True): forwards replayed from CUDA graphs
+        self._graphed: Any = None
         self.kv = self._new_cache(num_blocks)
         self.seqs: dict[int, _DraftSeq] = {}
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         cfg, m = self.model.config, self.model
-        return PagedKVCache.for_model(cfg, num_blocks, self.block_size, m.dtype, m.device)
+        return PagedKVCache.for_model(cfg, num_blocks + 1, self.block_size, m.dtype, m.device)  # +1: graph padding
 
     @property
     def predicts_experts(self) -> bool:
@@ -108,7 +110,15 @@ class ModelDrafter:
     @torch.inference_mode()
     def _forward(self, items: list[PackItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits [N, V] float32, final hidden states [N, D] of the packed tokens."""
-        out = self.model.forward_batch(pack(items, self.model.device), self.kv)
+        batch = pack(items, self.model.device)
+        if self.cuda_graphs:
+            if self._graphed is None or self._graphed.kv is not self.kv:
+                from engine.runtime.cuda_graphs import GraphedForward
+
+                self._graphed = GraphedForward(self.model, self.kv)
+            out = self._graphed(batch, self.kv)
+        else:
+            out = self.model.forward_batch(batch, self.kv)
         return out.logits.float(), out.hidden
 
     @torch.inference_mode()

@@ -82,6 +82,14 @@ def expansion_item(
     )
 
 
+def _run_start(slots: torch.Tensor) -> int | None:
+    """slots [S] -> slots[0] when they are slots[0], slots[0] + 1, ..., else None."""
+    S = slots.shape[0]
+    if S == 0 or int(slots[-1]) - int(slots[0]) != S - 1:
+        return None
+    return int(slots[0]) if S == 1 or bool((slots.diff() == 1).all()) else None
+
+
 def pack(items: list[PackItem], device: torch.device) -> ForwardBatch:
     """Pad and pack items into one ForwardBatch (mask None when B = 1 and every token sees all)."""
     B = len(items)
@@ -89,7 +97,7 @@ def pack(items: list[PackItem], device: torch.device) -> ForwardBatch:
     N = sum(lens)
     Tq = max(lens)
     S = max(it.read_slots.shape[0] for it in items)
-    if B == 1 and items[0].mask is None:
+    if B == 1:
         it = items[0]
         return ForwardBatch(
             input_ids=it.tokens.to(device),
@@ -97,7 +105,8 @@ def pack(items: list[PackItem], device: torch.device) -> ForwardBatch:
             pad_index=torch.arange(N, device=device).unsqueeze(0),
             write_slots=it.write_slots.to(device),
             read_slots=it.read_slots.to(device).unsqueeze(0),
-            attn_mask=None,
+            attn_mask=None if it.mask is None else it.mask.to(device).unsqueeze(0),
+            read_start=_run_start(it.read_slots),
         )
     read_slots = torch.zeros(B, S, dtype=torch.long)
     pad_index = torch.full((B, Tq), N, dtype=torch.long)

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from engine.models import gpt_oss
 from engine.models.config import ModelConfig, load_config, parse_config
+from engine.models.layout import use_decode_layout
 from engine.models.transformer import Model
 
 _EXPERT = re.compile(
@@ -204,6 +205,7 @@ def load_model(
     model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=False)
     model = model.to(dtype=dtype)
     model.eval().requires_grad_(False)
+    use_decode_layout(model)  # CPU weights stored [in, out]: gemv at the read bandwidth (engine.models.layout)
     model.path = str(path)
     tok = path / "tokenizer.json"
     if tok.is_file():
@@ -242,7 +244,7 @@ def hub_state_dict(model: Model, dtype: torch.dtype | None = None) -> dict[str, 
         state = {k: t.detach().to("cpu") for k, t in model.state_dict().items()}
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        return {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return {k: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
                 for k, t in gpt_oss.internal_to_hub(state).items()}  # fmt: skip
     for key, t in model.state_dict().items():
         t = t.detach().to("cpu")
@@ -310,8 +312,10 @@ def save_model(
     dtype: torch.dtype | None = None,
     tokenizer_json: str | os.PathLike | None = None,
     extra_files: dict[str, str] | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write an HF folder (config.json, model.safetensors, optional tokenizer.json) atomically."""
+    """Write an HF folder (config.json, model.safetensors, optional tokenizer.json) atomically. extra_tensors: more
+    hub-named tensors for model.safetensors (an MTP module's `model.layers.{num_hidden_layers}.*`)."""
     path = Path(path)
     with atomic_folder(path) as tmp:
         cfg = model.config
@@ -326,7 +330,12 @@ def save_model(
         if dtype is not None:
             raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
-        save_file(hub_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        state = hub_state_dict(model, dtype)
+        clash = sorted(set(state) & set(extra_tensors or {}))
+        if clash:
+            raise ValueError(f"extra_tensors would overwrite the model's own {clash[:4]}")
+        state.update(extra_tensors or {})
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_json is not None:
             shutil.copy(tokenizer_json, tmp / "tokenizer.json")
         for name, text in (extra_files or {}).items():

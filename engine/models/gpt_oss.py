@@ -98,7 +98,7 @@ class GptOssAttention(nn.Module):
         """x [N, D] packed tokens -> [N, D], writing their K/V (and, windowed, their positions) first."""
         q, k, v = self._qkv(x, cos, sin_signed, apply_rope_signed)
         kv.write(layer, batch.write_slots, k, v)
-        keys, values = kv.read(layer, batch.read_slots)  # [B, S, Hkv, hd]
+        keys, values = kv.read(layer, batch.read_slots, batch.read_start)  # [B, S, Hkv, hd]
         mask = batch.attn_mask  # [B, Tq, S] or None
         if self.window:
             kv.write_positions(batch.write_slots, batch.positions)

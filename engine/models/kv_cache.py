@@ -56,6 +56,7 @@ class PagedKVCache:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.seqs: dict[int, SequenceBlocks] = {}
         self.scratch: dict[int, list[int]] = {}
+        self.pad_block: int | None = None  # held by CUDA-graph padding (engine.runtime.cuda_graphs)
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
@@ -119,6 +120,12 @@ class PagedKVCache:
         idx = torch.arange(n)
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
+    def hold_pad_block(self) -> int:
+        """Take one block out of circulation for padding tokens' writes (idempotent) -> its block id."""
+        if self.pad_block is None:
+            self.pad_block = self._take(1)[0]
+        return self.pad_block
+
     def release_scratch(self, seq_id: int) -> None:
         blocks = self.scratch.pop(seq_id, [])
         self.free.extend(reversed(blocks))
@@ -133,8 +140,12 @@ class PagedKVCache:
         """slots [N] hold tokens at positions [N] (read back by sliding-window attention)."""
         self.positions.index_copy_(0, slots, positions.to(self.positions.device))
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [B, S] -> k, v [B, S, Hkv, hd]."""
+    def read(self, layer: int, slots: torch.Tensor, start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [B, S] -> k, v [B, S, Hkv, hd]. start: when B = 1 and the slots are the run start .. start+S-1
+        (`ForwardBatch.read_start`), views of the storage instead of a gathered copy of the context."""
+        if start is not None:
+            S = slots.shape[1]
+            return self.k[layer, start : start + S].unsqueeze(0), self.v[layer, start : start + S].unsqueeze(0)
         return self.k[layer][slots], self.v[layer][slots]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -146,10 +157,11 @@ class PagedKVCache:
 
     def check_quiescent(self) -> None:
         """Raise if any block is still held (the invariant at the end of `Engine.generate`)."""
-        if self.seqs or self.scratch or len(self.free) != self.num_blocks:
+        held = 0 if self.pad_block is None else 1
+        if self.seqs or self.scratch or len(self.free) + held != self.num_blocks:
             raise AssertionError(
-                f"KV leak: {self.num_blocks - len(self.free)} blocks held by {sorted(self.seqs)} "
+                f"KV leak: {self.num_blocks - len(self.free) - held} blocks held by {sorted(self.seqs)} "
                 f"and scratch {sorted(self.scratch)}"
             )
-        if len(set(self.free)) != self.num_blocks:
+        if len(set(self.free) | ({self.pad_block} if held else set())) != self.num_blocks:
             raise AssertionError("KV free list holds a block twice")

@@ -71,6 +71,8 @@ def unpad_queries(out: torch.Tensor, batch) -> torch.Tensor:
 
 def unpad_index(batch) -> torch.Tensor:
     """Flat [B*Tq] positions of the N packed tokens, in packed order."""
+    if batch.unpad_order is not None:
+        return batch.unpad_order
     flat = batch.pad_index.reshape(-1)
     valid = (flat < batch.num_tokens).nonzero().squeeze(1)
     order = torch.empty(batch.num_tokens, dtype=torch.long, device=flat.device)

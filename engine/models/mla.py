@@ -93,7 +93,7 @@ class MLAttention(nn.Module):
         H, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q_nope, q_rope, c, k_rope = self._project(x, cos, sin_signed, apply_rope_signed)
         kv.write(layer, batch.write_slots, torch.cat([c, k_rope], dim=-1).unsqueeze(1), c.new_zeros(N, 1, 0))
-        latent, _ = kv.read(layer, batch.read_slots)  # [B, S, 1, r + dr]
+        latent, _ = kv.read(layer, batch.read_slots, batch.read_start)  # [B, S, 1, r + dr]
         w = self.kv_b_proj.weight.view(H, dn + dv, r)
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w[:, :dn])  # [N, H, r]
         q = pad_queries(torch.cat([q_lat, q_rope], dim=-1), batch)  # [B, Tq, H, r + dr]

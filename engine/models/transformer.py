@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.gpt_oss import GptOssAttention, GptOssMoE
-from engine.models.layers import RMSNorm, apply_rope, apply_rope_signed, sign_sin
+from engine.models.layers import RMSNorm, apply_rope, apply_rope_signed, sign_sin, unpad_index
 from engine.models.mla import MLAttention
 from engine.models.moe import DenseMLP, MoEBlock, RoutingRecord, fused_weight, load_balancing_loss
 from engine.models.rope import rope_table
@@ -53,6 +53,10 @@ class ForwardBatch:
     write_slots [N]: KV-cache slot receiving each new token's key/value.
     read_slots [B, S]: slots each request's queries attend over (includes its new tokens' slots).
     attn_mask [B, Tq, S] bool or None (None = every query sees every key: single-token decode).
+    read_start: for B = 1 whose read slots are one ascending run, its first slot (attention then reads the
+    cache storage in place, `PagedKVCache.read`); None otherwise.
+    unpad_order [N] or None: flat [B*Tq] cell of each packed token (None: derived from pad_index, a host sync;
+    CUDA-graph buckets precompute it, engine.runtime.cuda_graphs).
     """
 
     input_ids: torch.Tensor
@@ -61,6 +65,8 @@ class ForwardBatch:
     write_slots: torch.Tensor
     read_slots: torch.Tensor
     attn_mask: torch.Tensor | None
+    read_start: int | None = None
+    unpad_order: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -158,7 +164,7 @@ class Attention(nn.Module):
         """x [N, D] packed tokens -> [N, D], writing their K/V into the cache first."""
         q, k, v = self.qkv_inference(x, cos, sin)  # [N, H, hd], [N, Hkv, hd]
         kv.write(layer, batch.write_slots, k, v)
-        keys, values = kv.read(layer, batch.read_slots)  # [B, S, Hkv, hd]
+        keys, values = kv.read(layer, batch.read_slots, batch.read_start)  # [B, S, Hkv, hd]
         B, Tq = batch.pad_index.shape
         if B == 1 and Tq == q.shape[0]:
             q_pad = q.unsqueeze(0)
@@ -166,19 +172,10 @@ class Attention(nn.Module):
             q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[batch.pad_index]  # [B, Tq, H, hd]
         out = self._sdpa(q_pad, keys, values, batch.attn_mask)  # [B, Tq, H*hd]
         if not (B == 1 and Tq == q.shape[0]):
-            out = out.reshape(B * Tq, -1)[_unpad_index(batch)]
+            out = out.reshape(B * Tq, -1)[unpad_index(batch)]
         else:
             out = out[0]
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
-
-
-def _unpad_index(batch: ForwardBatch) -> torch.Tensor:
-    """Flat [B*Tq] positions of the N packed tokens, in packed order."""
-    flat = batch.pad_index.reshape(-1)
-    valid = (flat < batch.num_tokens).nonzero().squeeze(1)
-    order = torch.empty(batch.num_tokens, dtype=torch.long, device=flat.device)
-    order[flat[valid]] = valid
-    return order
 
 
 class DecoderLayer(nn.Module):

@@ -30,6 +30,7 @@ from engine.models.batching import chain_item, pack, tree_item
 from engine.models.kv_cache import PagedKVCache
 from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
+from engine.runtime.cuda_graphs import GraphedForward
 from engine.runtime.footprint import round_footprint, virtual_rank_loads
 from engine.runtime.frozen import load_frozen_policy
 from engine.runtime.observation import History, Observation, observe_history
@@ -82,7 +83,9 @@ class Engine:
     ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round),
     offload (an installed `engine.offload.ExpertOffload`: its `OffloadStats` of every step, prefill
     included in the first, is attached to the step's RoundStats as `offload`), expert_budget (verify with
-    at most B experts per MoE layer, MoE-Spec 2602.16052: APPROXIMATE, see engine.models.moe).
+    at most B experts per MoE layer, MoE-Spec 2602.16052: APPROXIMATE, see engine.models.moe), cuda_graphs
+    (target and dense-drafter forwards replayed from CUDA graphs per shape bucket, engine.runtime.cuda_graphs;
+    use with instrument=False, timing=False; on CPU the padded buckets run eagerly, a test of the padding).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Engine:
         round_cost: RoundCost | None = None,
         calibration: Callable[[float, int], float] | None = None,
         expert_budget: int | None = None,
+        cuda_graphs: bool = False,
         **drafter_options: Any,
     ) -> None:
         if not isinstance(target, Model):
@@ -136,6 +140,11 @@ class Engine:
         self.default_sampling = GREEDY
         self.scratch_tokens = MAX_TREE_NODES + 1  # a draft tree's root + nodes live in scratch slots
         self._session: Session | None = None
+        if cuda_graphs and (ep is not None or offload is not None):
+            raise ValueError("cuda_graphs does not combine with ep or offload (their expert calls leave the graph)")
+        self.cuda_graphs, self._graphed = cuda_graphs, None  # the target's GraphedForward (per KV cache)
+        if hasattr(self.drafter, "cuda_graphs"):
+            self.drafter.cuda_graphs = cuda_graphs
 
     # ------------------------------------------------------------------ validation
     def _validate(
@@ -269,7 +278,7 @@ class Engine:
         bs = self.block_size
         need = sum(-(-n // bs) for n in lengths) + -(-reserve_tokens // bs)
         scratch = (len(lengths) + (1 if reserve_tokens else 0)) * (-(-self.scratch_tokens // bs) + 1)
-        blocks = self.num_blocks or max(1, need + scratch)
+        blocks = self.num_blocks or max(1, need + scratch) + (1 if self.cuda_graphs else 0)  # +1: graph padding
         if blocks < need + len(lengths):
             raise ValueError(f"num_blocks={blocks} cannot hold these requests ({need} blocks needed)")
         cfg = self.target.config
@@ -287,7 +296,8 @@ class Engine:
                         tokens=list(prompt))  # fmt: skip
 
     def _admit(self, reqs: list[_Request], kv: PagedKVCache) -> None:
-        """Prefill new requests and start their drafter state."""
+        """Prefill requests (new ones: their prompt; a rolled-back step: every committed token) and start their
+        drafter state."""
         self.target.set_backend(self.backend)
         hidden = self._prefill(reqs, kv)
         if self.drafter is not None:
@@ -296,28 +306,36 @@ class Engine:
 
     # ------------------------------------------------------------------ forward helpers
     def _prefill(self, reqs: list[_Request], kv: PagedKVCache) -> dict[int, torch.Tensor]:
-        """Cache every prompt token but the last (which is the first round's root).
+        """Cache every committed token (at admission: the prompt) but the last, which is the next round's root.
 
-        Returns the target's final hidden states [len(prompt) - 1, D] (or `feature_layers` ones) per request."""
+        Returns the target's final hidden states [len(tokens) - 1, D] (or `feature_layers` ones) per request."""
         items, owners = [], []
         for r in reqs:
-            n = len(r.prompt) - 1
+            n = r.cached_len
             if n > 0:
                 slots = r.slot_table[:n].cpu()
-                items.append(chain_item(r.prompt[:-1], slots[:0], slots))
+                items.append(chain_item(r.tokens[:-1], slots[:0], slots))
                 owners.append(r)
         hidden: dict[int, torch.Tensor] = {}
         if items:
-            out = self.target.forward_batch(pack(items, self.target.device), kv, feature_layers=self.feature_layers)
+            out = self._forward(pack(items, self.target.device), kv, feature_layers=self.feature_layers)
             feats = out.hidden if out.features is None else out.features
             off = 0
             for r in owners:
-                n = len(r.prompt) - 1
+                n = r.cached_len
                 hidden[r.index] = feats[off : off + n]
                 off += n
         elif self.ep is not None:
             self.ep.idle_step()
         return hidden
+
+    def _forward(self, batch, kv: PagedKVCache, **kwargs):
+        """The target's cached forward: `Model.forward_batch`, or its CUDA-graph replay (`cuda_graphs`)."""
+        if not self.cuda_graphs:
+            return self.target.forward_batch(batch, kv, **kwargs)
+        if self._graphed is None or self._graphed.kv is not kv:
+            self._graphed = GraphedForward(self.target, kv)
+        return self._graphed(batch, kv, **kwargs)
 
     def _any_active(self, local: bool) -> bool:
         return local if self.ep is None else bool(self.ep.any_active(local))
@@ -354,7 +372,7 @@ class Engine:
             items.append(tree_item(tree.tokens, tree.parents, tree.depths, ctx[:-1], torch.cat([ctx[-1:], node_slots])))
         t0 = time.perf_counter()
         budget = self.expert_budget if any(t.num_nodes > 1 for t in trees) else None  # verification forwards only
-        out = self.target.forward_batch(
+        out = self._forward(
             pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer, expert_budget=budget,
             feature_layers=self.feature_layers,
         )  # fmt: skip
@@ -459,6 +477,7 @@ class Engine:
             accepted_by_depth=[1 if d <= acc else 0 for d in range(1, K + 1)],
             draft_confidence=list(tree.confidence)[:K],
             verify_rule=s.verify_rule,
+            context_len=r.cached_len - committed,  # `_commit` already advanced the request
         )
         if self.instrument and out.routing is not None and out.routing.expert_ids:
             ids = [e[off : off + n] for e in out.routing.expert_ids]  # L x [n, r]
@@ -472,7 +491,7 @@ class Engine:
             if self.rank_loads is not None:
                 stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = self.rank_loads(ids)
             if self.cost_model is not None:
-                stats.modelled_seconds = float(self.cost_model(ids, r.cached_len))
+                stats.modelled_seconds = float(self.cost_model(ids, stats.context_len))
         stats.time = dict(phase)
         stats.time["draft"] = tree.draft_seconds
         stats.time["forward"] = forward_seconds

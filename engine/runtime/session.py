@@ -12,10 +12,20 @@ request's tokens and random stream depend only on its own prompt, sampling param
 on the other requests in the batch.
 
 Actions: None -> the session's `spec` (or its `policy`, consulted per request with the request's
-Observation); a list with one action per active request; or a dict {request id: action}. An action is
-anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)). Every action is validated before any work
-of the step, so a bad action leaves the session as it was. An exception during a step's work marks the
-session failed: `close()` then still releases every KV block.
+Observation); a list with one action per active request; or a dict {request id: action}, which steps only
+the requests it names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig,
+dict, (K, W, λ)). Every action is validated before any work of the step, so a bad action leaves the session
+as it was (`check_action` validates one ahead of time).
+
+Failures are rolled back. An exception during a step's work is re-raised after every request of that step
+is put back as it was before the step: committed tokens, rounds, observation history and random stream
+(`torch.Generator` state) restored, scratch KV released, drafter state rebuilt from the committed tokens.
+The step never writes the committed KV (it writes the root's slot, scratch slots, and copies accepted
+nodes past the committed length), so target-only KV stays bit for bit; with a drafter the committed tokens
+are prefilled again, as a fresh session would, for the drafter's target features. The session stays
+usable: retry, step a subset (a dict) to find the request that fails, cancel it. A failed prefill in `add`
+fails only the requests being added. Only when the rollback itself raises, or under expert parallelism
+(collective), is the session marked failed: `close()` then still releases every KV block.
 
 Under expert parallelism (`Engine(ep=...)`) `step` and `done` are collective: call them in lockstep on
 every rank (a rank with no active request runs the idle collectives).
@@ -24,16 +34,41 @@ every rank (a rank with no active request runs the idle collectives).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from engine.models.kv_cache import KVCacheFull
-from engine.runtime.observation import Observation
+from engine.runtime.observation import History, Observation
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams, make_generator
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What a step changes in one request record (engine.runtime.engine._Request), to undo a failed step."""
+
+    num_tokens: int
+    num_new: int
+    num_rounds: int
+    finish_reason: str | None
+    prev_pairs: Any
+    history: History
+    rng_state: torch.Tensor
+
+    @classmethod
+    def of(cls, r: Any) -> _Saved:
+        h = r.history
+        return cls(len(r.tokens), len(r.new_tokens), len(r.rounds), r.finish_reason, r.prev_pairs,
+                   replace(h, acc=list(h.acc), tries=list(h.tries)), r.generator.get_state())  # fmt: skip
+
+    def restore(self, r: Any) -> None:
+        del r.tokens[self.num_tokens :], r.new_tokens[self.num_new :], r.rounds[self.num_rounds :]
+        r.finish_reason, r.prev_pairs, r.history = self.finish_reason, self.prev_pairs, self.history
+        r.generator.set_state(self.rng_state)
 
 
 class Session:
@@ -99,6 +134,13 @@ class Session:
             new.append(r)
         try:
             eng._admit(new, kv)
+        except Exception as err:  # the running requests' KV is untouched: only the new ones fail
+            for r in new:
+                r.finish_reason = "error"
+                self._release(r)
+            if eng.ep is not None:  # a collective prefill failed on this rank: the ranks are out of step
+                self.failed = err
+            raise
         except BaseException as err:
             self.failed = err
             raise
@@ -111,18 +153,26 @@ class Session:
         r = self.requests[request_id]
         return self.engine.observe_request(r, batch_size=len(self._active))
 
-    def _specs(self, actions: Any) -> list[SpecConfig]:
-        active = self._active
+    def check_action(self, action: Any) -> SpecConfig:
+        """`action` as the SpecConfig a step would run, or a ValueError saying why this engine cannot run it."""
+        spec = coerce_action(action)
+        self.engine._check_spec(spec)
+        return spec
+
+    def _specs(self, actions: Any) -> tuple[list[Any], list[SpecConfig]]:
+        """(requests that take this step, their validated actions)."""
+        active = list(self._active)
         if actions is None:
             if self.policy is None or self.engine.drafter is None:
-                return [self.spec or NO_SPEC] * len(active)
-            return [coerce_action(self.policy(self.observation(r.index))) for r in active]
+                return active, [self.spec or NO_SPEC] * len(active)
+            return active, [self.check_action(self.policy(self.observation(r.index))) for r in active]
         if isinstance(actions, Mapping):
             ids = set(self.active)
-            if set(actions) != ids:
+            if not actions or not set(actions) <= ids:
                 raise ValueError(f"actions name requests {sorted(actions)} but the active ones are {sorted(ids)}")
-            actions = [actions[r.index] for r in active]
-        elif isinstance(actions, (SpecConfig, str, bytes)) or not isinstance(actions, Sequence):
+            stepping = [r for r in active if r.index in actions]
+            return stepping, [self.check_action(actions[r.index]) for r in stepping]
+        if isinstance(actions, (SpecConfig, str, bytes)) or not isinstance(actions, Sequence):
             raise ValueError(
                 f"step(actions) takes None, a list with one action per active request ({len(active)}), or a dict "
                 f"{{request id: action}}; got {type(actions).__name__}"
@@ -132,21 +182,25 @@ class Session:
         specs = [coerce_action(a) for a in actions]
         for s in specs:
             self.engine._check_spec(s)
-        return specs
+        return active, specs
 
     @torch.inference_mode()
     def step(self, actions: Any = None) -> list[RoundStats]:
-        """One round for every active request; returns its RoundStats per request (`active` order before the
-        step). Finished requests leave the active set and free their KV blocks."""
+        """One round for every active request (or those a dict of actions names); returns their RoundStats in
+        `active` order. Finished requests leave the active set and free their KV blocks. An exception of the
+        step's work is re-raised after rolling the step back (module docstring)."""
         self._check_usable()
-        active = list(self._active)
-        if not active:
+        if not self._active:
             if self.engine.ep is not None:
                 self.engine.ep.idle_step()
             return []
-        specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
+        active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
+        saved = [_Saved.of(r) for r in active]
         try:
             self.engine._step(active, self.kv, specs)
+        except Exception as err:
+            self._roll_back(active, saved, err)
+            raise
         except BaseException as err:
             self.failed = err
             raise
@@ -155,6 +209,26 @@ class Session:
                 self._release(r)
         self._active = [r for r in self._active if r.finish_reason is None]
         return [r.rounds[-1] for r in active]
+
+    def _roll_back(self, active: list[Any], saved: list[_Saved], err: BaseException) -> None:
+        """Put the requests of a failed step back as they were before it (module docstring); mark the session
+        failed when that is impossible."""
+        for r, s in zip(active, saved):
+            s.restore(r)
+        eng = self.engine
+        if eng.ep is not None:  # the ranks' collectives may be out of step: no way back
+            self.failed = err
+            return
+        try:
+            for r in active:
+                if r.index in self.kv.scratch:
+                    self.kv.release_scratch(r.index)
+            if eng.drafter is not None:  # restart its state from the committed tokens (with their target features)
+                for r in active:
+                    eng.drafter.finish(r.index)
+                eng._admit(active, self.kv)
+        except Exception:  # noqa: BLE001 - the original error is the one raised; the session is unusable
+            self.failed = err
 
     def cancel(self, request_id: int, reason: str = "abort") -> None:
         """Stop request `request_id` between steps (a client left, a stop string matched): it leaves the

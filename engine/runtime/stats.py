@@ -50,6 +50,7 @@ class RoundStats:
     offload: Any = None  # engine.offload.cache.OffloadStats of the batched step (Engine(offload=...)); not imported:
     # offload sits above runtime
     batch_size: int = 1  # requests verified in the same forward
+    context_len: int = 0  # tokens in the target cache before the round (committed tokens but the root)
     cost: float | None = None  # T_spec under the engine's round_cost (None: use round_seconds)
     cost_ar: float | None = None  # T_AR (one target-only step) under the same cost source
 

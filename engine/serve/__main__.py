@@ -10,7 +10,9 @@
 
 policy: "none" (target-only), "static-K" (depth K, width 1 every round) or a frozen policy folder.
 drafter / predictor / model: a zoo name or a checkpoint folder; the tokenizer is the model folder's
-tokenizer.json. SIGTERM (or Ctrl-C) stops accepting, finishes in-flight requests, then exits.
+tokenizer.json. cost_hardware: the conf/hardware profile the per-request utility metric is priced on
+(engine.cost.round_cost; "auto": this machine's, "none": no pricing). SIGTERM (or Ctrl-C) stops accepting,
+finishes in-flight requests, then exits.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ServeConfig:
     served_name: str | None = None  # the model id of /v1/models (default: the model folder's name)
     threads: int = 0  # torch intra-op threads (0 = torch's default)
     drain_timeout: float = 60.0
+    cost_hardware: str = "auto"  # roofline profile of the utility metric: auto | none | conf/hardware name
 
 
 ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
@@ -79,7 +82,8 @@ def build(cfg: ServeConfig):
     eos = target.tokenizer.token_to_id("<|endoftext|>")
     eos = target.config.eos_token_id if eos is None else eos
     sched = Scheduler(eng, target.tokenizer, spec=spec, policy=policy, max_batch=cfg.max_batch,
-                      max_queue=cfg.max_queue, queue_timeout=cfg.queue_timeout, eos_token_id=eos)  # fmt: skip
+                      max_queue=cfg.max_queue, queue_timeout=cfg.queue_timeout, eos_token_id=eos,
+                      round_cost=None if cfg.cost_hardware == "none" else cfg.cost_hardware)  # fmt: skip
     return sched, cfg.served_name or path.name
 
 

@@ -18,9 +18,12 @@ never collide). Prefix `expertspec:` with vLLM's suffixes:
     vllm:spec_decode_num_accepted_tokens_per_pos  expertspec:spec_decode_num_accepted_tokens_per_pos{position}
 
 Ours only: spec_rounds_total, spec_committed_tokens_total, request_tau (committed tokens per round),
-request_utility (R·T_AR/T_spec, when the engine has a round cost), distinct_experts_per_layer (per
-verification), policy_depth / policy_width / policy_lambda (the chosen K / W / λ per round),
-request_errors_total{code}, requests_rejected_total{reason}.
+request_utility (per request Σ R / Σ T_spec/T_AR: committed tokens per target cost in target-only steps, i.e.
+the request's speed-up over plain decoding under the cost model; DESIGN §1), spec_round_cost_seconds_total and
+spec_round_cost_ar_steps_total (Σ T_spec in modelled seconds and in T_AR units: committed tokens per target
+cost of the whole run = spec_committed_tokens_total / either), distinct_experts_per_layer (per verification),
+policy_depth / policy_width / policy_lambda (the chosen K / W / λ per round), request_errors_total{code},
+requests_rejected_total{reason}. The cost model is the scheduler's `round_cost` (engine.cost.round_cost).
 """
 
 from __future__ import annotations
@@ -60,17 +63,23 @@ class ServeMetrics:
                                  registry=r)  # fmt: skip
         self.tau = Histogram(P + "request_tau", "Committed tokens per round, per request",
                              buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8), registry=r)  # fmt: skip
-        self.utility = Histogram(P + "request_utility", "R·T_AR/T_spec per request (needs a round cost)",
+        self.utility = Histogram(P + "request_utility", "Committed tokens per target cost (in T_AR) per request",
                                  buckets=(0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4), registry=r)  # fmt: skip
+        self.cost_seconds = Counter(P + "spec_round_cost_seconds", "Σ T_spec of the rounds (modelled seconds)",
+                                    registry=r)  # fmt: skip
+        self.cost_ar_steps = Counter(P + "spec_round_cost_ar_steps", "Σ T_spec / T_AR of the rounds", registry=r)
         self.experts = Histogram(P + "distinct_experts_per_layer", "Mean distinct experts per MoE layer per "
                                  "verification", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)  # fmt: skip
         self.depth = Histogram(P + "policy_depth", "Chosen K per round", buckets=tuple(range(9)), registry=r)
         self.width = Histogram(P + "policy_width", "Chosen W per round", buckets=(1, 2, 3, 4, 6, 8), registry=r)
         self.lam = Histogram(P + "policy_lambda", "Chosen λ per round", buckets=(0, 0.1, 0.25, 0.5, 1, 2), registry=r)
 
-    def observe_round(self, stats) -> None:
-        """One request's RoundStats (engine.runtime.stats) of one step."""
+    def observe_round(self, stats, cost: tuple[float, float] | None = None) -> None:
+        """One request's RoundStats (engine.runtime.stats) of one step and its (T_spec, T_AR), if priced."""
         self.rounds.inc()
+        if cost is not None:
+            self.cost_seconds.inc(cost[0])
+            self.cost_ar_steps.inc(cost[0] / cost[1])
         self.committed.inc(stats.committed)
         self.generation_tokens.inc(stats.committed)
         if stats.proposed > 0:
@@ -86,14 +95,13 @@ class ServeMetrics:
         self.width.observe(stats.width)
         self.lam.observe(stats.lam)
 
-    def observe_finished(self, rounds: list, reason: str) -> None:
-        """A request that completed (engine rounds of it, OpenAI finish reason)."""
+    def observe_finished(self, rounds: list, reason: str, utility: float | None = None) -> None:
+        """A request that completed (engine rounds of it, OpenAI finish reason, its utility when priced)."""
         self.success.labels(finished_reason=reason).inc()
         if rounds:
             self.tau.observe(sum(s.committed for s in rounds) / len(rounds))
-            costs = [(s.committed, s.cost, s.cost_ar) for s in rounds if s.cost and s.cost_ar is not None]
-            if costs:
-                self.utility.observe(sum(c * ar / t for c, t, ar in costs) / len(costs))
+        if utility is not None:
+            self.utility.observe(utility)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

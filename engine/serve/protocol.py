@@ -2,8 +2,10 @@
 
 Requests are pydantic models with `extra="forbid"`: an unknown field, a wrong type or an out-of-range
 parameter is a 400 naming the field (`validation_message`), never a 422 and never a partial run.
-Only `n=1` is served. `return_token_ids` is vLLM's extension: the choice then carries the committed
-token ids, so a client can compare the server's output with `Engine.generate` token for token.
+Not served, each a 400 naming the field and saying so: `n` other than 1, `logprobs` (completions: any
+value; chat: true) and `top_logprobs`, `echo=true`. `return_token_ids` is vLLM's extension: the choice then
+carries the committed token ids, so a client can compare the server's output with `Engine.generate` token
+for token.
 
 Chat requests go through `chat_prompt`, a plain-text template ("System: ...", "User: ...",
 "Assistant:"): the zoo checkpoints ship no chat template.
@@ -18,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+_NO_LOGPROBS = "log-probabilities are not supported: this server returns tokens only (omit the field)"
 
 
 class _Strict(BaseModel):
@@ -37,7 +40,7 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
+    n: int = Field(1, description="only n=1 is served")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -53,6 +56,13 @@ class _Sampling(_Strict):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v} is not supported: one choice per request (n=1); send separate requests instead")
+        return v
+
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -66,12 +76,20 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)  # OpenAI's completions default
     echo: bool = False
+    logprobs: int | None = None
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, v: bool) -> bool:
         if v:
-            raise ValueError("echo=true is not supported")
+            raise ValueError("echo=true is not supported: the output never repeats the prompt")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError(_NO_LOGPROBS)
         return v
 
 
@@ -86,6 +104,15 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        if v is not None and v is not False:
+            raise ValueError(_NO_LOGPROBS)
+        return v
 
     def new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

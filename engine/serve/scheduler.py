@@ -11,9 +11,16 @@ effects, so a job that does not fit waits; nobody's committed tokens are ever ev
 every running request (its Observation carries the batch size), run one `step`, emit what each request
 committed. Only this thread touches the engine.
 
-Failure isolation: a policy, decoding or stop-check error fails its own request (500) and the others go on.
-An exception inside the batched `step` leaves the session unusable (engine.runtime.session): every request
-in that step fails with 500, the session is closed (all KV blocks free) and queued requests get a new one.
+Failure isolation: a policy, invalid-action, decoding or stop-check error fails its own request (500) and the
+others go on. An exception inside the batched `step` is rolled back by the session (engine.runtime.session:
+every request of the step as before it, nothing committed, nothing emitted), so the loop bisects the step:
+each half steps again on its own, recursively, and a request whose step fails alone gets a 500 while the others
+commit this round. Only an unrecoverable session (its rollback failed) fails every running request; it is
+closed (all KV blocks free) and queued requests get a new one.
+
+Cost: every round is priced by `round_cost` (default: the roofline of the served target and drafter on this
+machine's hardware profile, engine.cost.round_cost) for the per-request utility in /metrics: committed
+tokens per target cost, Σ R / Σ (T_spec / T_AR) over the request's rounds.
 
 Events sent to `Job.emit` (from this thread; the app hops them onto its event loop):
     ("delta", text, token_ids)   newly committed text (held back at a possible stop-string prefix)
@@ -30,8 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.cost.round_cost import serving_round_cost
 from engine.models.kv_cache import KVCacheFull
-from engine.runtime.policy import Policy, coerce_action
+from engine.runtime.policy import Policy
 from engine.serve.metrics import ServeMetrics
 from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams
@@ -63,6 +71,8 @@ class Job:
     tokens_sent: int = 0
     first_time: float | None = None
     last_time: float | None = None
+    priced_committed: int = 0  # committed tokens of the priced rounds
+    cost_units: float = 0.0  # Σ T_spec / T_AR over them: utility = priced_committed / cost_units
 
 
 class Scheduler:
@@ -71,7 +81,9 @@ class Scheduler:
     spec: the action of every round when there is no policy (None: target-only). policy: a callable
     Observation -> action (a frozen policy, or any plain function), consulted per request per round.
     max_batch: running requests at most; max_queue: waiting requests at most (beyond: 429);
-    queue_timeout: seconds a job may wait for KV capacity before a 503.
+    queue_timeout: seconds a job may wait for KV capacity before a 503. round_cost: RoundStats -> (T_spec, T_AR)
+    for the utility metric, or a conf/hardware profile name for `serving_round_cost` ("auto": this machine's),
+    or None (only rounds the engine priced itself, `Engine(round_cost=...)`, count).
     """
 
     def __init__(
@@ -86,6 +98,7 @@ class Scheduler:
         queue_timeout: float = 30.0,
         eos_token_id: int | None = None,
         metrics: ServeMetrics | None = None,
+        round_cost: Callable[[Any], tuple[float, float]] | str | None = "auto",
     ) -> None:
         if engine.num_blocks is None:
             raise ValueError("the server needs a fixed KV cache: Engine(target, num_blocks=...)")
@@ -101,6 +114,14 @@ class Scheduler:
         self.max_batch, self.max_queue, self.queue_timeout = max_batch, max_queue, queue_timeout
         self.eos_token_id = eos_token_id
         self.metrics = metrics or ServeMetrics()
+        if isinstance(round_cost, str):
+            try:
+                round_cost = serving_round_cost(engine, round_cost)
+            except ValueError:
+                if round_cost != "auto":  # a named profile that does not exist; "auto" on a dense target: no cost
+                    raise
+                round_cost = None
+        self.round_cost = round_cost
         self.context = engine.target.config.max_position_embeddings
         bs = engine.block_size
         self.scratch_blocks = -(-engine.scratch_tokens // bs) + 1  # one round's tree per running request
@@ -261,8 +282,8 @@ class Scheduler:
         actions = {}
         for rid in list(self.session.active):
             try:
-                actions[rid] = coerce_action(self.policy(self.session.observation(rid)))
-            except Exception as err:  # noqa: BLE001 - a policy error fails its request alone
+                actions[rid] = self.session.check_action(self.policy(self.session.observation(rid)))
+            except Exception as err:  # noqa: BLE001 - a policy error or an action this engine cannot run: this one
                 job = self.running[rid]
                 self._end(job)
                 self.session.cancel(rid, "error")
@@ -271,33 +292,58 @@ class Scheduler:
 
     def _round(self) -> None:
         actions = self._actions()
-        if not actions:
-            return
+        if actions:
+            self._step(actions)
+
+    def _step(self, actions: dict[int, SpecConfig]) -> None:
+        """One round for the requests of `actions`; a failed (rolled-back) step is bisected (module docstring)."""
         try:
             stats = self.session.step(actions)
         except Exception as err:  # noqa: BLE001
-            if self.session.failed is None:  # validation (a policy chose an action this engine cannot run)
-                for rid in list(actions):
-                    job = self.running[rid]
-                    self._end(job)
-                    self.session.cancel(rid, "error")
-                    self._fail(job, 500, f"invalid action {actions[rid]} for this engine: {err}")
+            if self.session.failed is not None:  # the rollback failed too: nothing to isolate
+                self._session_failed(err)
                 return
-            self._session_failed(err)
+            if len(actions) == 1:  # it fails alone: the culprit
+                (rid,) = actions
+                job = self.running[rid]
+                self._end(job)
+                self.session.cancel(rid, "error")
+                self._fail(job, 500, f"generation failed for this request: {err!r}")
+                return
+            items = list(actions.items())
+            for half in (items[: len(items) // 2], items[len(items) // 2 :]):
+                if self.session is not None:
+                    self._step(dict(half))
             return
         self.rounds += 1
         now = time.perf_counter()
         for rid, s in zip(actions, stats):
-            self.metrics.observe_round(s)
             job = self.running.get(rid)
+            cost = self._price(s)
+            self.metrics.observe_round(s, cost)
             if job is None:
                 continue
+            if cost is not None:
+                job.priced_committed += s.committed
+                job.cost_units += cost[0] / cost[1]
             try:
                 self._publish(job, now)
             except Exception as err:  # noqa: BLE001 - decoding / stop check: this request alone
                 self._end(job)
                 self.session.cancel(rid, "error")
                 self._fail(job, 500, f"decoding the output failed: {err!r}")
+
+    def _price(self, s: Any) -> tuple[float, float] | None:
+        """(T_spec, T_AR) of a round: the engine's own pricing if it has one, else `round_cost`; None without."""
+        if s.cost is not None and s.cost_ar:
+            return s.cost, s.cost_ar
+        if self.round_cost is None:
+            return None
+        try:
+            t_spec, t_ar = self.round_cost(s)
+        except Exception:  # noqa: BLE001 - a metric never fails a request: this round stays unpriced
+            return None
+        return (t_spec, t_ar) if t_spec > 0 and t_ar > 0 else None
 
     def _publish(self, job: Job, now: float) -> None:
         """Emit what `job` committed this round; finish it on EOS, length or a stop string."""
@@ -336,7 +382,8 @@ class Scheduler:
             if n > 1 and job.first_time is not None:
                 self.metrics.tpot.observe((job.last_time - job.first_time) / (n - 1))
             self.metrics.e2e.observe(now - job.arrival)
-            self.metrics.observe_finished(r.rounds, "stop" if reason in ("eos", "stop") else reason)
+            utility = job.priced_committed / job.cost_units if job.cost_units > 0 else None
+            self.metrics.observe_finished(r.rounds, "stop" if reason in ("eos", "stop") else reason, utility)
             job.emit(("done", reason))
 
     # ------------------------------------------------------------------ bookkeeping

@@ -1,32 +1,36 @@
 """The OpenAI-compatible server (engine.serve) over real HTTP on 127.0.0.1: greedy and seeded output ==
 Engine.generate token for token under concurrency with a deployed policy, streaming == non-streaming, the
-openai client, every bad input a 400 naming the field, disconnects / errors free every KV block (checked
-through the engine), a burst beyond capacity gets 429/503 and never hangs, metrics, SIGTERM drains."""
+openai client, every bad input (and every unsupported feature) a 400 naming the field, disconnects / errors
+free every KV block (checked through the engine), a request whose engine step raises fails alone while the
+others equal Engine.generate, a burst beyond capacity gets 429/503 and never hangs, metrics (utility priced
+by the default cost model), SIGTERM drains. A frozen learned policy over HTTP: tests/ctrl/test_serve_policy.py."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from http_server import free_port as _free_port
+from http_server import serving as _server
 
 import engine
+from engine.drafting.model_drafter import ModelDrafter
 from engine.paths import REPO_ROOT, zoo_path
-from engine.serve.app import make_app
 from engine.serve.scheduler import Scheduler
 from engine.workloads import code_prompts, encode, prose_prompts
 
 uvicorn = pytest.importorskip("uvicorn")
 EOS = 0
 FAIL_LEN = 13  # the test policy raises for prompts of exactly this many tokens
+POISON = 4095  # the test drafter raises inside the engine step for prompts starting with this token
 
 
 class BatchPolicy:
@@ -42,25 +46,22 @@ class BatchPolicy:
         return engine.SpecConfig(depth=4 if obs.batch_size <= 2 else 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PoisonDrafter:
+    """The zoo drafter, except that `commit` raises inside the batched step for a request whose prompt starts with
+    POISON, after the requests before it in the batch have committed their round (a fault mid-step)."""
 
+    def __init__(self, inner) -> None:
+        self.inner, self.raised = inner, 0
+        self.predicts_experts = inner.predicts_experts
 
-@contextlib.contextmanager
-def _server(sched: Scheduler):
-    srv = uvicorn.Server(uvicorn.Config(make_app(sched, "tiny-moe"), host="127.0.0.1", port=_free_port(),
-                                        log_level="warning"))  # fmt: skip
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{srv.config.port}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def commit(self, seq_id, tokens, *args, **kwargs):
+        if tokens[0] == POISON:
+            self.raised += 1
+            raise RuntimeError("drafter exploded on purpose")
+        return self.inner.commit(seq_id, tokens, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,17 @@ def served(zoo):
 
 def _complete(url: str, **body) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def _stream_ids(url: str, body: dict) -> list[int]:
+    ids = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                ids += chunk["choices"][0].get("token_ids") or []
+    return ids
 
 
 def _reference(target, prompt, n, **kw):
@@ -192,6 +204,31 @@ def test_bad_input_is_400_before_any_work(served, body, needle):
     assert sched.rounds == rounds and sched.metrics.prompt_tokens._value.get() == prompt_tokens
 
 
+UNSUPPORTED = [
+    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": 0}, "logprobs"),
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("route,body,field", UNSUPPORTED, ids=[f"{r}-{f}" for r, _, f in UNSUPPORTED])
+def test_unsupported_features_are_400_naming_the_field(served, route, body, field):
+    """n > 1, log-probabilities and echo are not served: a 400 that names the field and says so."""
+    url, sched, _ = served
+    rounds = sched.rounds
+    r = httpx.post(f"{url}/v1/{route}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"field '{field}'" in err["message"] and "not supported" in err["message"]
+    assert sched.rounds == rounds
+    ok = {k: v for k, v in body.items() if k != field}
+    assert httpx.post(f"{url}/v1/{route}", json={**ok, "max_tokens": 2, "logprobs": None}).status_code == 200
+
+
 def test_bad_chat_input_is_400(served):
     url, _, _ = served
     for body, needle in [({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "role")]:
@@ -200,8 +237,8 @@ def test_bad_chat_input_is_400(served):
 
 
 def test_disconnects_and_failures_free_every_block(zoo, served, monkeypatch):
-    """A client leaving mid-stream, a request whose policy raises (500 alone) and a batched step that raises
-    (500 for that step, then a fresh session): the others finish correctly and every KV block is free."""
+    """A client leaving mid-stream, a request whose policy raises (500 alone) and a lone request whose engine
+    step raises (500): the others finish correctly and every KV block is free."""
     target, _, prompts = zoo
     url, sched, _ = served
     aborted = sched.metrics.success.labels(finished_reason="abort")._value.get()
@@ -234,6 +271,44 @@ def test_disconnects_and_failures_free_every_block(zoo, served, monkeypatch):
     _quiescent(sched)
 
 
+def test_a_request_whose_step_raises_fails_alone(zoo):
+    """17 concurrent requests (8 running at most, half of them streaming), one of which makes the batched engine
+    step raise mid-commit: the session rolls the step back and the scheduler bisects it, so only that request
+    gets a 500 with the error; every other output equals target-only Engine.generate token for token (nothing
+    committed or streamed twice), and every target and drafter KV block is free afterwards."""
+    target, drafter, prompts = zoo
+    assert all(p[0] != POISON for p in prompts)
+    lengths = [6 + (7 * i) % 17 for i in range(len(prompts))]
+    bodies = [dict(prompt=p, max_tokens=n, temperature=0, return_token_ids=True) for p, n in zip(prompts, lengths)]
+    culprit = dict(prompt=[POISON] + prompts[0][1:], max_tokens=20, temperature=0)
+    poison = PoisonDrafter(ModelDrafter(drafter))
+    eng = engine.Engine(target, poison, num_blocks=160)
+    sched = Scheduler(eng, target.tokenizer, spec=engine.SpecConfig(depth=3), max_batch=8, eos_token_id=EOS)
+
+    def call(i: int):
+        if i == len(bodies):
+            return _complete(url, **culprit)
+        return _stream_ids(url, bodies[i]) if i % 2 else _complete(url, **bodies[i])
+
+    with _server(sched) as url, ThreadPoolExecutor(len(bodies) + 1) as pool:
+        order = [0, 1, 2, len(bodies), *range(3, len(bodies))]  # the culprit 4th: others commit before it
+        results = dict(zip(order, pool.map(call, order)))
+        bad = results.pop(len(bodies))
+        assert bad.status_code == 500, bad.text
+        assert "generation failed for this request" in bad.json()["error"]["message"]
+        assert "drafter exploded" in bad.json()["error"]["message"]
+        for i, got in results.items():
+            if not i % 2:
+                assert got.status_code == 200, got.text
+                got = got.json()["choices"][0]["token_ids"]
+            assert got == _reference(target, prompts[i], lengths[i]), i
+        assert poison.raised >= 2  # the batched step and the culprit's step alone (bisection)
+        assert sched.metrics.errors.labels(code="500")._value.get() == 1
+        _quiescent(sched)
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+        poison.inner.kv.check_quiescent()
+
+
 def test_burst_beyond_capacity_is_refused_not_hung(zoo):
     target, _, prompts = zoo
     eng = engine.Engine(target, num_blocks=64)
@@ -251,10 +326,18 @@ def test_burst_beyond_capacity_is_refused_not_hung(zoo):
         _quiescent(sched)
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"expertspec:{name} "))
+
+
 def test_metrics_exposed(served):
-    url, _, _ = served
+    url, sched, _ = served
+    before = _metric(httpx.get(url + "/metrics").text, "request_utility_count")
     _complete(url, prompt=[3, 4, 5, 6], max_tokens=12, temperature=0)
     text = httpx.get(url + "/metrics").text
+    assert sched.round_cost is not None and sched.round_cost.name.startswith("roofline:cpu:target")  # the default
+    assert _metric(text, "request_utility_count") == before + 1 and _metric(text, "request_utility_sum") > 0
+    assert _metric(text, "spec_round_cost_seconds_total") > 0 and _metric(text, "spec_round_cost_ar_steps_total") > 0
     for name in ["num_requests_running", "num_requests_waiting", "kv_blocks_in_use", "kv_cache_usage_perc",
                  "time_to_first_token_seconds_bucket", "request_time_per_output_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "spec_decode_num_draft_tokens_total",

@@ -1,5 +1,6 @@
 """The steppable session (Engine.start / Session.step / close): equal to generate, continuous batching,
-KV release after errors, clear errors that leave the session usable."""
+failed steps and prefills rolled back (the session goes on, equal to an uninterrupted run), KV release after
+errors, clear errors that leave the session usable."""
 
 from __future__ import annotations
 
@@ -123,22 +124,112 @@ def test_add_beyond_capacity_is_refused_without_side_effects(zoo):
     eng.kv.check_quiescent()
 
 
+class FlakyDrafter:
+    """A real drafter whose `commit` raises once for request `culprit` (after the requests before it in the
+    batch have committed their round): a failure in the middle of a step's work."""
+
+    def __init__(self, inner, culprit: int, times: int = 1) -> None:
+        self.inner, self.culprit, self.left = inner, culprit, times
+        self.predicts_experts = inner.predicts_experts
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def commit(self, seq_id, *args, **kwargs):
+        if seq_id == self.culprit and self.left > 0:
+            self.left -= 1
+            raise RuntimeError("injected commit failure")
+        return self.inner.commit(seq_id, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_failed_step_is_rolled_back_and_the_session_goes_on(zoo, kind):
+    """A step that raises mid-commit (request 0 committed, request 1 raised) is undone for every request in it:
+    tokens, rounds and random streams as before, no scratch held; the session carries on == uninterrupted."""
+    from engine.drafting.model_drafter import ModelDrafter
+
+    target, drafter, prompts = zoo
+    sampling = _sampling(kind, len(prompts))
+    ref = engine.Engine(target, drafter=drafter).generate(prompts, 16, sampling=sampling, spec=TREE)
+    eng = engine.Engine(target, drafter=FlakyDrafter(ModelDrafter(drafter), culprit=1, times=0))
+    with eng.start(prompts, 16, sampling=sampling, spec=TREE) as session:
+        session.step()
+        eng.drafter.left = 1
+        before = [(list(r.new_tokens), len(r.rounds), r.generator.get_state()) for r in session.requests]
+        with pytest.raises(RuntimeError, match="injected commit failure"):
+            session.step()
+        assert session.failed is None and not session.kv.scratch
+        after = [(list(r.new_tokens), len(r.rounds), r.generator.get_state()) for r in session.requests]
+        assert [a[:2] for a in after] == [b[:2] for b in before]
+        assert all(a[2].equal(b[2]) for a, b in zip(after, before))
+        while not session.done:
+            session.step()
+        got = session.results()
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [[s.committed for s in r.rounds] for r in got] == [[s.committed for s in r.rounds] for r in ref]
+    eng.kv.check_quiescent()
+    eng.drafter.kv.check_quiescent()
+
+
+def test_stepping_a_subset_isolates_the_failing_request(zoo):
+    """A dict of actions steps only the requests it names: the culprit fails alone, the others run on and
+    equal target-only decoding; cancelling the culprit frees its blocks."""
+    from engine.drafting.model_drafter import ModelDrafter
+
+    target, drafter, prompts = zoo
+    ref = [r.token_ids for r in engine.Engine(target).generate(prompts, 12)]
+    eng = engine.Engine(target, drafter=FlakyDrafter(ModelDrafter(drafter), culprit=2, times=10**6))
+    with eng.start(prompts, 12, spec=CHAIN) as session:
+        with pytest.raises(RuntimeError, match="injected"):
+            session.step()
+        with pytest.raises(RuntimeError, match="injected"):
+            session.step({2: CHAIN})
+        stats = session.step({0: CHAIN, 1: TREE})
+        assert len(stats) == 2 and [len(r.rounds) for r in session.requests] == [1, 1, 0]
+        session.cancel(2, "error")
+        while not session.done:
+            session.step()
+        got = session.results()
+    assert [r.token_ids for r in got[:2]] == ref[:2] and got[2].finish_reason == "error"
+    eng.kv.check_quiescent()
+
+
+def test_a_failed_prefill_fails_only_the_new_requests(zoo, monkeypatch):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    ref = eng.generate(prompts[:1], 12, spec=CHAIN)[0].token_ids
+    with eng.start(prompts[:1], 12, spec=CHAIN, reserve_tokens=256) as session:
+        session.step()
+        free = eng.kv.num_free_blocks
+        real = eng.target.forward_batch
+        monkeypatch.setattr(eng.target, "forward_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            session.add(prompts[1:], 12)
+        monkeypatch.setattr(eng.target, "forward_batch", real)
+        assert session.failed is None and eng.kv.num_free_blocks == free and session.active == [0]
+        assert [r.finish_reason for r in session.requests[1:]] == ["error"] * (len(prompts) - 1)
+        while not session.done:
+            session.step()
+        assert session.results()[0].token_ids == ref
+    eng.kv.check_quiescent()
+
+
 def test_close_releases_every_block_also_after_an_exception(zoo, monkeypatch):
+    """A target that keeps raising: the rollback's prefill raises too, so the session is marked failed; close()
+    still frees every block and the engine works again."""
     target, drafter, prompts = zoo
     eng = engine.Engine(target, drafter=drafter)
     session = eng.start(prompts, 16, spec=TREE)
     session.step()
-    calls = {"n": 0}
     real = eng.target.forward_batch
 
-    def failing(*args, **kwargs):  # fail inside the step, after drafting allocated scratch KV
-        calls["n"] += 1
+    def failing(*args, **kwargs):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(eng.target, "forward_batch", failing)
     with pytest.raises(RuntimeError, match="injected"):
         session.step()
-    assert calls["n"] == 1 and session.kv.scratch  # the failure left scratch blocks held
+    assert session.failed is not None
     with pytest.raises(RuntimeError, match="failed"):
         session.step()
     session.close()

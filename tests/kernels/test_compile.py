@@ -47,11 +47,11 @@ for dt, prec in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
         tiles.update(DOT_PRECISION=prec, UPCAST=False)
         gate_up = dict(hidden_ptr="*" + dt, w_gate_up_ptr="*" + dt, inter_ptr="*fp32", sorted_ids_ptr="*i32",
                        block_expert_ptr="*i32", num_assign=I32, top_r=I32, D=I32, F=I32, stride_ht=I32,
-                       stride_we=I32, stride_wn=I32, stride_it=I32)
+                       stride_we=I32, stride_wn=I32, stride_wk=I32, stride_it=I32)
         compile_(_fused_moe_gate_up_kernel, gate_up, tiles, cfg.num_warps, cfg.num_stages)
         down = dict(inter_ptr="*fp32", w_down_ptr="*" + dt, topk_weights_ptr="*fp32", partial_ptr="*fp32",
                     sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_assign=I32, D=I32, F=I32,
-                    stride_it=I32, stride_we=I32, stride_wn=I32, stride_pt=I32)
+                    stride_it=I32, stride_we=I32, stride_wn=I32, stride_wk=I32, stride_pt=I32)
         compile_(_fused_moe_down_kernel, down, tiles, cfg.num_warps, cfg.num_stages)
         done += 2
     combine = dict(partial_ptr="*fp32", expert_ids_ptr="*i64", out_ptr="*" + dt, top_r=I32, D=I32,
