@@ -111,3 +111,6 @@ def test_bench_serve_smoke(tmp_path):
         scen = res["policies"][pol]["scenarios"]
         assert scen["burst"]["completed"] == 2 and scen["poisson 4/s"]["ttft"]["p50"] > 0
     assert res["policies"]["static-2"]["scenarios"]["burst"]["server"]["tau"] > 1.0
+    # committed tokens per target cost: exactly 1 without drafts, priced per round on the H200 roofline
+    assert res["policies"]["none"]["scenarios"]["burst"]["server"]["utility"] == pytest.approx(1.0)
+    assert res["policies"]["static-2"]["scenarios"]["burst"]["server"]["utility"] > 0

@@ -38,6 +38,7 @@ class ServeBenchConfig:
     max_batch: int = 16
     seed: int = 0
     plot: bool = True
+    cost_hardware: str = "h200"  # the servers price rounds on this roofline profile (committed tokens per cost)
 
 
 @dataclass

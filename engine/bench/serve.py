@@ -8,9 +8,11 @@ Per policy: start the server on loopback (a subprocess, zoo target + EAGLE head 
 gaps, bounded by count and by `timeout_s`), and one burst of `burst` requests at once; measured client side
 with the `openai` package: TTFT (send -> first content chunk), ITL (between streamed chunks: one per round, so
 several tokens under speculation), TPOT ((last - first chunk) / (completion tokens - 1), tokens from the
-usage), request and output throughput, P50 / P95 / P99; server side from /metrics: τ and drafted / accepted
-tokens. Target-only, static speculation and the learned policy run side by side in one
-process, one after the other (never two servers at once). Not a timed test: figures go to the README.
+usage), request and output throughput, P50 / P95 / P99; server side from /metrics: τ, drafted / accepted
+tokens and committed tokens per target cost (Σ committed / Σ T_spec/T_AR, every round priced by the server's
+roofline of `serve_bench.cost_hardware`, default h200: the modelled speed-up over plain decoding).
+Target-only, static speculation and the learned policy run side by side in one process, one after the other
+(never two servers at once). Not a timed test: figures go to the README.
 """
 
 from __future__ import annotations
@@ -54,11 +56,11 @@ def learned_policy(path: str | None) -> str:
 class Server:
     """`python -m engine.serve` as a subprocess on a free loopback port (SIGTERM on exit)."""
 
-    def __init__(self, policy: str, max_batch: int) -> None:
+    def __init__(self, policy: str, max_batch: int, cost_hardware: str = "h200") -> None:
         self.port = _free_port()
         drafter = [] if policy == "none" else ["drafter=eagle-head", "predictor=expert-predictor"]
         cmd = [sys.executable, "-m", "engine.serve", f"policy={policy}", f"port={self.port}", f"max_batch={max_batch}",
-               "threads=1", *drafter]  # fmt: skip
+               "threads=1", f"cost_hardware={cost_hardware}", *drafter]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -81,7 +83,8 @@ class Server:
         out: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(r"^expertspec:(spec_rounds|spec_committed_tokens|spec_decode_num_draft_tokens|"
-                         r"spec_decode_num_accepted_tokens|generation_tokens)_total (\S+)$", line)  # fmt: skip
+                         r"spec_decode_num_accepted_tokens|generation_tokens|spec_round_cost_ar_steps)_total (\S+)$",
+                         line)  # fmt: skip
             if m:
                 out[m.group(1)] = float(m.group(2))
         return out
@@ -152,7 +155,7 @@ def bench_serve(cfg: Any, progress=None) -> dict:
         spec = learned_policy(c.learned_path) if policy == "learned" else policy
         if Path(policy).is_dir():  # a frozen policy folder named directly: label it by its cost model
             policy = f"learned:{Path(policy).parents[1].name}"
-        server = Server(spec, c.max_batch)
+        server = Server(spec, c.max_batch, c.cost_hardware)
         try:
             server.wait()
             rows = {}
@@ -180,19 +183,22 @@ def _delta(a: dict, b: dict) -> dict:
     d = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b}
     rounds = d.get("spec_rounds", 0.0)
     d["tau"] = d.get("spec_committed_tokens", 0.0) / rounds if rounds else float("nan")
+    steps = d.get("spec_round_cost_ar_steps", 0.0)  # Σ T_spec / T_AR under the server's cost model
+    d["utility"] = d.get("spec_committed_tokens", 0.0) / steps if steps else float("nan")
     return d
 
 
 def print_serve(res: dict) -> None:
     print("\n== serving load test (openai client, streaming, loopback; client-side latencies in ms) ==")
     print(f"{'policy':<10} {'scenario':<14} {'ok':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50/p95/p99':>20} "
-          f"{'TPOT p50/p95/p99':>20} {'ITL p50/p99':>13} {'τ':>5}")  # fmt: skip
+          f"{'TPOT p50/p95/p99':>20} {'ITL p50/p99':>13} {'τ':>5} {'tok/cost':>8}")  # fmt: skip
     ms = lambda d, *ks: "/".join(f"{d[k] * 1e3:.0f}" for k in ks) if d else "-"  # noqa: E731
     for pol, r in res["policies"].items():
         for name, s in r["scenarios"].items():
             print(f"{pol:<10} {name:<14} {s['completed']:>4} {s['req_per_s']:>6.2f} {s['out_tok_per_s']:>7.1f} "
                   f"{ms(s['ttft'], 'p50', 'p95', 'p99'):>20} {ms(s['tpot'], 'p50', 'p95', 'p99'):>20} "
-                  f"{ms(s['itl'], 'p50', 'p99'):>13} {s['server'].get('tau', float('nan')):>5.2f}")  # fmt: skip
+                  f"{ms(s['itl'], 'p50', 'p99'):>13} {s['server'].get('tau', float('nan')):>5.2f} "
+                  f"{s['server'].get('utility', float('nan')):>8.2f}")  # fmt: skip
 
 
 def plot_serve(res: dict, path: Path) -> None:
