@@ -1,6 +1,7 @@
 """The models an environment runs or a trace was recorded with: zoo names or folders -> target + drafter.
 
     target, drafter, info = load_models("tiny-moe", "eagle-head", predictor="expert-predictor")
+    target, drafter, info = load_models("tiny-moe-fine", "mtp", predictor=None)   # the target's own MTP module
 
 `drafter` is an `engine.drafting` Drafter ready for `engine.Engine(target, drafter=drafter)` (a feature-head
 folder, a dense HF folder, or None); `info` names both with their weight digests (SHA-256 of the
@@ -22,6 +23,8 @@ from engine.drafting.make import make_drafter
 from engine.models.eagle3 import is_eagle3_config
 from engine.models.feature_heads import target_digest
 from engine.paths import repo_relative, zoo_dir
+
+MTP_DRAFTER = "mtp"  # drafter name of a target's own MTP module (engine.drafting.make)
 
 
 @dataclass(frozen=True)
@@ -89,20 +92,27 @@ def load_models(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[engine.Model, Any, ModelInfo]:
     """(target Model, Drafter or None, ModelInfo). drafter: a feature-head folder (EAGLE / MTP), a dense HF
-    folder, or None; predictor: an expert-predictor folder for λ > 0, or None."""
+    folder, "mtp" (the MTP module inside the target's own checkpoint: DeepSeek-V3 / GLM-4.5, zoo/tiny-moe-fine;
+    its path and digest are the target folder's), or None; predictor: an expert-predictor folder for λ > 0, or None."""
     target_path = resolve_model_path(target)
     model = engine.load_model(target_path, dtype=dtype)
     drafter_obj = drafter_path = pred_path = None
+    mtp = str(drafter) == MTP_DRAFTER
     if drafter is not None and str(drafter) != "":
-        drafter_path = resolve_model_path(drafter)
         pred_path = resolve_model_path(predictor) if predictor else None
-        raw = json.loads((drafter_path / "config.json").read_text())
         options = {"predictor": str(pred_path)} if pred_path is not None else {}
-        if raw.get("model_type") in engine.SUPPORTED_MODEL_TYPES and not is_eagle3_config(raw):  # EAGLE-3: a head
-            drafter_obj = make_drafter(engine.load_model(drafter_path, dtype=dtype), model, **options)
+        if mtp:  # the MTP module shipped in the target's own folder (engine.drafting.mtp_drafter)
+            drafter_path = target_path
+            drafter_obj = make_drafter(MTP_DRAFTER, model, **options)
         else:
-            drafter_obj = make_drafter(str(drafter_path), model, **options)
-    name = "none" if drafter_path is None else drafter_path.name + (f"+{pred_path.name}" if pred_path else "")
+            drafter_path = resolve_model_path(drafter)
+            raw = json.loads((drafter_path / "config.json").read_text())
+            if raw.get("model_type") in engine.SUPPORTED_MODEL_TYPES and not is_eagle3_config(raw):  # EAGLE-3: a head
+                drafter_obj = make_drafter(engine.load_model(drafter_path, dtype=dtype), model, **options)
+            else:
+                drafter_obj = make_drafter(str(drafter_path), model, **options)
+    name = "none" if drafter_path is None else (MTP_DRAFTER if mtp else drafter_path.name)
+    name += f"+{pred_path.name}" if pred_path else ""
     info = ModelInfo(
         target_path=str(target_path),
         target_digest=target_digest(model),

@@ -3,6 +3,7 @@
     python -m env.record                                     # built-in mixed workload, greedy, zoo models
     python -m env.record workload.prompts=questions.jsonl    # FastChat / HumanEval-style JSONL
     python -m env.record sampling.temperature=0.7            # seeded drafter-invariant sampling (mode position)
+    python -m env.record target=tiny-moe-fine drafter=mtp predictor=null   # fine-grained target, its own MTP
 
 Every request is recorded position by position by env.request_recorder (the union of the grid's trees,
 one tree-attention verification of it, the continuation's next token, calibration timings); this module

@@ -210,6 +210,86 @@ class ZooConf:
     train_heads: bool = True
 
 
+# ---------------------------------------------------------------------------------------------- fine-grained
+@dataclass
+class FineTargetConf:
+    """The fine-grained `deepseek_v3` target (`python -m engine.zoo.fine`): multi-head latent attention, 64
+    routed experts top-6 plus one shared expert of the same size, DeepSeek-V3's sigmoid router with a correction
+    bias and group-limited choice, the first `first_k_dense_replace` layers dense (SwiGLU of intermediate_size).
+
+    Expert dim / hidden = 32 / 128 = 0.25 (DeepSeek-V3: 2048 / 7168 = 0.29). Balancing is DeepSeek-V3's
+    (2412.19437 §2.1.2): no auxiliary loss on the router; after every step each expert's correction bias moves
+    by bias_update_speed towards the mean load (2408.15664), plus a tiny sequence-wise balance loss."""
+
+    name: str = "tiny-moe-fine"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    q_lora_rank: int = 0  # 0: q_proj (DeepSeek-V2-Lite style); > 0: q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    num_experts: int = 64
+    top_r: int = 6
+    n_group: int = 8
+    topk_group: int = 4
+    moe_intermediate_size: int = 32
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    intermediate_size: int = 1024  # the dense layers' SwiGLU
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    # u of the auxiliary-loss-free balancing. DeepSeek-V3's 0.001 (a long run at a low learning rate) is too slow for
+    # 800 steps at lr 3e-3: max / mean expert load reached 8.5 by step 60; 0.01 brings it to ~2 by step 200
+    bias_update_speed: float = 0.01
+    seq_aux_loss_coef: float = 1e-4  # alpha of the complementary sequence-wise balance loss (DeepSeek-V3: 0.0001)
+    max_position_embeddings: int = 1024
+    train: TrainConf = field(default_factory=lambda: TrainConf(steps=800))
+
+
+@dataclass
+class FineMTPConf:
+    """The target's own MTP module (DeepSeek-V3 layout, layer num_hidden_layers, one MLA + MoE block) trained on
+    the frozen target: CE(x_{t+2}) + target_kl_weight * CE against the target's law of x_{t+2}. It reads the
+    target's (tied) embedding and output head, so the checkpoint ships no copies of them."""
+
+    target_kl_weight: float = 1.0
+    loss_fraction: float = 0.25  # share of positions (random per step) whose CE goes through the output head
+    train_windows: int = 1200  # cap on training windows (a seeded random subset)
+    train: HeadTrainConf = field(default_factory=lambda: HeadTrainConf(steps=300, batch_size=16))
+
+
+@dataclass
+class FineEvalConf:
+    """The report: per built-in workload (engine.workloads) greedy paths of both targets and MTP acceptance."""
+
+    workloads: list[str] = field(default_factory=lambda: ["code", "prose", "chat", "math"])
+    prompts: int = 8  # per workload
+    max_prompt_tokens: int = 128
+    new_tokens: int = 64
+    mtp_depth: int = 3  # K of the MTP chain (greedy)
+    distinct_tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+
+
+@dataclass
+class FineZooConf:
+    out_dir: str = "zoo"  # relative: to the directory the command was started from
+    seed: int = 0
+    seq_len: int = 256
+    threads: int = 1
+    autocast: str = "auto"  # as ZooConf.autocast
+    eval_tokens: int = 8192  # per corpus, held-out side
+    curve_tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    progress: bool = True
+    tokenizer: str = "zoo/tiny-moe/tokenizer.json"  # reused, so traces of both targets share token ids
+    compare_with: str = "zoo/tiny-moe"  # also measured in the same run for the side-by-side report ("" = none)
+    corpus: CorpusConf = field(default_factory=CorpusConf)
+    target: FineTargetConf = field(default_factory=FineTargetConf)
+    mtp: FineMTPConf = field(default_factory=FineMTPConf)
+    eval: FineEvalConf = field(default_factory=FineEvalConf)
+
+
 # Fields shared by both configs: SiLU, default RoPE, tied embeddings, <|endoftext|> = 0 = bos/eos, <|pad|> = 1.
 _HF_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, use_sliding_window=False,
                   tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1)  # fmt: skip
@@ -240,6 +320,42 @@ def target_hf_config(c: TargetConf, vocab_size: int) -> dict:
     )
 
 
+def fine_target_hf_config(c: FineTargetConf, vocab_size: int) -> dict:
+    """HF `config.json` dict of the fine-grained `deepseek_v3` target, one MTP module declared (its weights are
+    added by `engine.zoo.train_fine.save_with_mtp`)."""
+    return dict(
+        {k: v for k, v in _HF_COMMON.items() if k != "use_sliding_window"},
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=c.moe_intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_heads,
+        q_lora_rank=c.q_lora_rank or None,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        rope_interleave=True,
+        n_routed_experts=c.num_experts,
+        num_experts_per_tok=c.top_r,
+        n_shared_experts=c.n_shared_experts,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+        first_k_dense_replace=c.first_k_dense_replace,
+        routed_scaling_factor=c.routed_scaling_factor,
+        norm_topk_prob=c.norm_topk_prob,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        num_nextn_predict_layers=1,
+        attention_bias=False,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+
+
 def drafter_hf_config(c: DrafterConf, vocab_size: int, max_positions: int) -> dict:
     """HF `config.json` dict of the dense drafter."""
     if c.model_type not in ("qwen2", "llama"):
@@ -260,3 +376,4 @@ def drafter_hf_config(c: DrafterConf, vocab_size: int, max_positions: int) -> di
 
 ConfigStore.instance().store(name="zoo_schema", node=ZooConf)
 ConfigStore.instance().store(name="train_heads_schema", node=TrainHeadsConf)
+ConfigStore.instance().store(name="zoo_fine_schema", node=FineZooConf)

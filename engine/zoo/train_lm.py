@@ -166,9 +166,10 @@ def distill_drafter(
 # ---------------------------------------------------------------------------------------------- evaluation
 @torch.inference_mode()
 def evaluate(
-    target: Model, drafter: Model, heldout: dict[str, torch.Tensor], batch_size: int = 16
+    target: Model, drafter: Model | None, heldout: dict[str, torch.Tensor], batch_size: int = 16
 ) -> dict[str, dict[str, float]]:
-    """Held-out nats/token, perplexity and drafter top-1 agreement per corpus (and "all").
+    """Held-out nats/token, perplexity and drafter top-1 agreement per corpus (and "all"); drafter None: the
+    target's fields only.
 
     heldout: corpus -> windows [W, T+1]; every position after the first of a window is predicted.
     """
@@ -179,30 +180,27 @@ def evaluate(
         for batch in windows.split(batch_size):
             inputs, labels = batch[:, :-1], batch[:, 1:].flatten()
             target_logits = target(inputs).float().flatten(0, 1)  # [B*T, V]
-            draft_logits = drafter(inputs).float().flatten(0, 1)  # [B*T, V]
             sums["tokens"] += labels.numel()
             sums["target_nats"] += F.cross_entropy(target_logits, labels, reduction="sum").item()
-            sums["drafter_nats"] += F.cross_entropy(draft_logits, labels, reduction="sum").item()
-            sums["agree"] += int((target_logits.argmax(-1) == draft_logits.argmax(-1)).sum())
+            if drafter is not None:
+                draft_logits = drafter(inputs).float().flatten(0, 1)  # [B*T, V]
+                sums["drafter_nats"] += F.cross_entropy(draft_logits, labels, reduction="sum").item()
+                sums["agree"] += int((target_logits.argmax(-1) == draft_logits.argmax(-1)).sum())
         for k in totals:
             totals[k] += sums[k]
-        report[name] = _metrics(sums)
+        report[name] = _metrics(sums, drafter is not None)
     if report:
-        report["all"] = _metrics(totals)
+        report["all"] = _metrics(totals, drafter is not None)
     return report
 
 
-def _metrics(s: dict) -> dict[str, float]:
+def _metrics(s: dict, with_drafter: bool = True) -> dict[str, float]:
     n = max(1, s["tokens"])
     t, d = s["target_nats"] / n, s["drafter_nats"] / n
-    return {
-        "tokens": s["tokens"],
-        "target_nats_per_token": t,
-        "target_ppl": math.exp(t),
-        "drafter_nats_per_token": d,
-        "drafter_ppl": math.exp(d),
-        "top1_agreement": s["agree"] / n,
-    }
+    out = {"tokens": s["tokens"], "target_nats_per_token": t, "target_ppl": math.exp(t)}
+    if with_drafter:
+        out |= {"drafter_nats_per_token": d, "drafter_ppl": math.exp(d), "top1_agreement": s["agree"] / n}
+    return out
 
 
 def heldout_table(report: dict[str, dict[str, float]]) -> str:
