@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,3 +115,10 @@ def test_bench_serve_smoke(tmp_path):
     # committed tokens per target cost: exactly 1 without drafts, priced per round on the H200 roofline
     assert res["policies"]["none"]["scenarios"]["burst"]["server"]["utility"] == pytest.approx(1.0)
     assert res["policies"]["static-2"]["scenarios"]["burst"]["server"]["utility"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_graphs_refuses_without_cuda(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "engine.bench", "graphs"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr

@@ -4,6 +4,7 @@
     python -m engine.bench spec            # speculative sweep K x W, drafters, vs transformers assisted
     python -m engine.bench spec new_tokens=32 repeats=1      # any config override
     python -m engine.bench cost            # verification cost: measured phases, fitted model, GPU what-if
+    python -m engine.bench graphs          # CUDA: eager vs CUDA-graph decode vs transformers, Qwen3-30B-A3B shape
 
 Every ratio is measured side by side in one process with runs interleaved (ours, theirs, ours, ...),
 single intra-op thread by default (DESIGN.md §8). Results are printed as tables and written as JSON
@@ -106,6 +107,15 @@ def main(cfg: BenchConfig) -> None:
             png = Path(hydra.utils.to_absolute_path((cfg.out or "bench_serve.json").rsplit(".", 1)[0] + "_tpot.png"))
             plot_serve(res, png)
             print(f"plot: {png}")
+    elif cfg.mode == "graphs":
+        from engine.bench.graphs import bench_graphs
+
+        try:
+            res = bench_graphs(cfg.graphs.layers, cfg.batch_sizes, cfg.graphs.new_tokens, cfg.repeats, cfg.hf)
+        except RuntimeError as err:
+            raise SystemExit(str(err)) from None
+        for r in res["rows"]:
+            print(r)
     elif cfg.mode == "cost":
         from engine.bench.cost import bench_cost, print_cost
 

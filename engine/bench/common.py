@@ -41,7 +41,7 @@ def equal_length(prompts: list[list[int]]) -> list[list[int]]:
 def hf_generate(hf, prompts: list[list[int]], n: int, assistant=None) -> list[list[int]]:
     """transformers greedy `generate` of exactly n new tokens (assisted generation when `assistant` is given);
     an explicit all-ones attention mask, or transformers masks every prompt token equal to the pad id."""
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf.device)
     kwargs = {} if assistant is None else {"assistant_model": assistant}
     with torch.inference_mode():
         out = hf.generate(
@@ -53,4 +53,4 @@ def hf_generate(hf, prompts: list[list[int]], n: int, assistant=None) -> list[li
             pad_token_id=0,
             **kwargs,
         )
-    return out[:, ids.shape[1] :].tolist()
+    return out[:, ids.shape[1] :].cpu().tolist()

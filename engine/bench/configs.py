@@ -76,6 +76,14 @@ class BoundBenchConfig:
 
 
 @dataclass
+class GraphsBenchConfig:
+    """Settings of `python -m engine.bench graphs` (CUDA only; engine/bench/graphs.py)."""
+
+    layers: int = 8  # of Qwen3-30B-A3B's 48 (time and memory of one check); per-layer figures scale
+    new_tokens: int = 64
+
+
+@dataclass
 class CostBenchConfig:
     """Settings of `python -m engine.bench cost` (the `cost.` group of BenchConfig)."""
 
@@ -113,7 +121,7 @@ class CostBenchConfig:
     seed: int = 0
 
 
-MODES = ("decode", "spec", "cost", "serve")
+MODES = ("decode", "spec", "cost", "serve", "graphs")
 
 
 @dataclass
@@ -135,5 +143,6 @@ class BenchConfig:
     hf: bool = True  # also run transformers (decode) / assisted generation (spec)
     out: str | None = None
     bound: BoundBenchConfig = field(default_factory=BoundBenchConfig)  # decode mode: random unseen shapes
+    graphs: GraphsBenchConfig = field(default_factory=GraphsBenchConfig)  # mode=graphs (CUDA)
     cost: CostBenchConfig = field(default_factory=CostBenchConfig)  # mode=cost settings (cost.sizes=...)
     serve_bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)  # mode=serve settings

@@ -106,12 +106,14 @@ class GraphedForward:
         self.stats.replayed += 1
         self.stats.buckets[key] = self.stats.buckets.get(key, 0) + 1
         n = batch.num_tokens
+        # a replay's outputs live in static buffers the next replay overwrites: hand out copies
+        cut = (lambda t: t[:n].clone()) if g.graph is not None else (lambda t: t[:n])
         return ForwardOutput(
-            logits=out.logits[:n],
-            hidden=out.hidden[:n],
+            logits=cut(out.logits),
+            hidden=cut(out.hidden),
             routing=None,
-            pre_norm_hidden=None if out.pre_norm_hidden is None else out.pre_norm_hidden[:n],
-            features=None if out.features is None else out.features[:n],
+            pre_norm_hidden=None if out.pre_norm_hidden is None else cut(out.pre_norm_hidden),
+            features=None if out.features is None else cut(out.features),
         )
 
     # ------------------------------------------------------------------ static buffers
