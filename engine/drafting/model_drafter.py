@@ -29,6 +29,7 @@ from engine.drafting.protocol import MAX_TREE_NODES
 from engine.drafting.selection import annotate_tree, select_verified
 from engine.drafting.tree_growth import TreeGrowth, drafts_iid
 from engine.models.batching import PackItem, chain_item, expansion_item, pack
+from engine.models.cuda_graphs import GraphedForward
 from engine.models.kv_cache import PagedKVCache
 from engine.models.transformer import Model
 from engine.spec.config import SpecConfig
@@ -75,7 +76,7 @@ class ModelDrafter:
         self.predictor = predictor
         self.block_size = block_size
         self.cuda_graphs = False  # set by Engine(cuda_graphs=True): forwards replayed from CUDA graphs
-        self._graphed: Any = None
+        self._graphed: GraphedForward | None = None
         self.kv = self._new_cache(num_blocks)
         self.seqs: dict[int, _DraftSeq] = {}
 
@@ -113,8 +114,6 @@ class ModelDrafter:
         batch = pack(items, self.model.device)
         if self.cuda_graphs:
             if self._graphed is None or self._graphed.kv is not self.kv:
-                from engine.runtime.cuda_graphs import GraphedForward
-
                 self._graphed = GraphedForward(self.model, self.kv)
             out = self._graphed(batch, self.kv)
         else:

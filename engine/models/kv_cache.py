@@ -56,7 +56,7 @@ class PagedKVCache:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.seqs: dict[int, SequenceBlocks] = {}
         self.scratch: dict[int, list[int]] = {}
-        self.pad_block: int | None = None  # held by CUDA-graph padding (engine.runtime.cuda_graphs)
+        self.pad_block: int | None = None  # held by CUDA-graph padding (engine.models.cuda_graphs)
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,

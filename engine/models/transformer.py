@@ -56,7 +56,7 @@ class ForwardBatch:
     read_start: for B = 1 whose read slots are one ascending run, its first slot (attention then reads the
     cache storage in place, `PagedKVCache.read`); None otherwise.
     unpad_order [N] or None: flat [B*Tq] cell of each packed token (None: derived from pad_index, a host sync;
-    CUDA-graph buckets precompute it, engine.runtime.cuda_graphs).
+    CUDA-graph buckets precompute it, engine.models.cuda_graphs).
     """
 
     input_ids: torch.Tensor

@@ -27,10 +27,10 @@ import torch
 from engine.drafting.make import make_drafter
 from engine.drafting.protocol import MAX_TREE_NODES, Drafter
 from engine.models.batching import chain_item, pack, tree_item
+from engine.models.cuda_graphs import GraphedForward
 from engine.models.kv_cache import PagedKVCache
 from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
-from engine.runtime.cuda_graphs import GraphedForward
 from engine.runtime.footprint import round_footprint, virtual_rank_loads
 from engine.runtime.frozen import load_frozen_policy
 from engine.runtime.observation import History, Observation, observe_history
@@ -84,7 +84,7 @@ class Engine:
     offload (an installed `engine.offload.ExpertOffload`: its `OffloadStats` of every step, prefill
     included in the first, is attached to the step's RoundStats as `offload`), expert_budget (verify with
     at most B experts per MoE layer, MoE-Spec 2602.16052: APPROXIMATE, see engine.models.moe), cuda_graphs
-    (target and dense-drafter forwards replayed from CUDA graphs per shape bucket, engine.runtime.cuda_graphs;
+    (target and dense-drafter forwards replayed from CUDA graphs per shape bucket, engine.models.cuda_graphs;
     use with instrument=False, timing=False; on CPU the padded buckets run eagerly, a test of the padding).
     """
 

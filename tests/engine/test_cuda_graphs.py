@@ -1,4 +1,4 @@
-"""CUDA-graph buckets (engine.runtime.cuda_graphs): the padding is exact on CPU; replay == eager on a GPU."""
+"""CUDA-graph buckets (engine.models.cuda_graphs): the padding is exact on CPU; replay == eager on a GPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 import engine
 from engine.models.batching import chain_item, pack, tree_item
+from engine.models.cuda_graphs import GraphBuckets, GraphedForward
 from engine.models.kv_cache import PagedKVCache
-from engine.runtime.cuda_graphs import GraphBuckets, GraphedForward
 from engine.workloads import code_prompts, encode, prose_prompts
 from engine.zoo.build import zoo_path
 
