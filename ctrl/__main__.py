@@ -4,6 +4,7 @@
     python -m ctrl +experiment=main_smoke            # a minute: tiny budgets (the entry point's smoke test)
     python -m ctrl workloads.prompts=questions.jsonl # + a FastChat JSONL workload
     python -m ctrl wandb.mode=disabled seeds=[0]
+    python -m ctrl.evaluate +experiment=regimes      # + offloaded experts and EP over 8 GPUs (on request)
 
 Stages: (1) one trace per workload (train + held-out prompts; cached by content under ~/.cache/expertspec,
 so a second run records nothing); (2) per cost model (roofline H200 × Qwen3-30B-A3B, this machine's measured
@@ -36,6 +37,9 @@ HEADLINE = ("static-best-train", "static-best-test", "cascade", "evict", "sglang
 
 
 def boundary(cost, conf: MainConf) -> str:
+    from engine.cost.roofline import load_model_spec
+    from env.cost_offload import cache_slots
+
     m, w = conf.models, conf.workloads
     common = (
         f"Replay of recorded {'greedy' if w.temperature == 0 else f'drafter-invariant sampled (T={w.temperature})'} "
@@ -45,10 +49,31 @@ def boundary(cost, conf: MainConf) -> str:
         "held-out prompts themselves (static-best-test). Unit of committed/cost: tokens per second of cost. "
         "Counted: drafter and target verification; not counted: controller overhead (measured separately)."
     )
+    transfer = (f" Learned policies: trained under {cost.policies_from}, evaluated here unchanged (a transfer "
+                "result)." if cost.policies_from else "")  # fmt: skip
+    drafter = (f"routing of the priced model from the identity-keyed synthetic router, drafter priced as an "
+               f"EAGLE-3-style head ({cost.drafter_spec}), resident")  # fmt: skip
     if cost.kind == "roofline":
         return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} (experts resident, one device, no "
-                "EP), routing of the priced model from the identity-keyed synthetic router, drafter priced as an "
-                f"EAGLE-3-style head ({cost.drafter_spec}). " + common)  # fmt: skip
+                f"EP), {drafter}. " + common + transfer)  # fmt: skip
+    if cost.kind == "roofline-offload":
+        slots = "" if cost.model_spec == "target" else (
+            f" = {cache_slots(cost.offload_cache, load_model_spec(cost.model_spec).num_experts)} slots")  # fmt: skip
+        return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} with the routed experts OFFLOADED to "
+                f"host memory: a device cache of {cost.offload_cache:.0%} of each MoE layer's experts{slots} "
+                f"({cost.offload_policy.upper()}, empty at each request's start), every verified (layer, expert) "
+                "pair not cached loaded over PCIe (bytes / the profile's PCIe bandwidth + its latency per expert, "
+                "exposed: no prefetch), one device, no EP; "
+                f"{drafter}. T_AR = a plain decode step with the cache plain decoding itself holds at that "
+                "position (target-only = exactly 1×). The oracle plans on that plain-decoding cache (a stateful DP "
+                "is intractable): a hindsight policy, not an upper bound, under this cost. "
+                + common + transfer)  # fmt: skip
+    if cost.kind == "roofline-ep":
+        return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} under EXPERT PARALLELISM over "
+                f"{cost.ep_ranks} GPUs of one node ({cost.ep_placement} placement; experts resident; one request, "
+                "its tokens, attention and LM head on rank 0): per MoE layer the slowest rank's expert time (rank "
+                "imbalance) + dispatch and combine all-to-alls over NVLink, from the verified nodes' routing; "
+                f"{drafter}; T_AR = the root alone with its own routing. " + common + transfer)  # fmt: skip
     return (
         "Cost: this machine's measured cost (2 CPU cores, one thread), the engine's fitted model of target "
         "verification plus the drafter's own fitted cost, both fitted on the trace's timed samples. " + common
@@ -58,11 +83,44 @@ def boundary(cost, conf: MainConf) -> str:
 POLICY_CACHE_VERSION = 3  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card)
 
 
+REGIME_FIELDS = {"roofline-offload": ("offload_cache", "offload_policy"), "roofline-ep": ("ep_ranks", "ep_placement")}
+
+
+def _cost_key(cost) -> dict:
+    """What of a cost model determines its trained policies (the fields of its kind only: the roofline and
+    fitted keys stay those of before the offload / EP kinds existed)."""
+    keep = ("name", "kind", "hardware", "model_spec", "drafter_spec", *REGIME_FIELDS.get(cost.kind, ()))
+    return {k: v for k, v in asdict(cost).items() if k in keep}
+
+
 def _policy_cache(conf: MainConf, traces, cost) -> Path:
-    key = json.dumps([POLICY_CACHE_VERSION, sorted((n, t.digest) for n, t in traces.items()), asdict(cost),
+    key = json.dumps([POLICY_CACHE_VERSION, sorted((n, t.digest) for n, t in traces.items()), _cost_key(cost),
                       asdict(conf.algo), list(conf.seeds), asdict(conf.grid), conf.workloads.train],
                      sort_keys=True)  # fmt: skip
     return cache_dir() / "policies" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def learned_policies(conf: MainConf, traces, cost) -> dict[str, list[Path]]:
+    """The frozen policies evaluated under `cost`: conf.policy_path, else every learner's seeds trained under
+    `cost` (or under `cost.policies_from`), from the cache or trained now."""
+    if conf.policy_path:
+        return {"learned": [Path(conf.policy_path)]}
+    if cost.policies_from:
+        cost = next(c for c in conf.costs if c.name == cost.policies_from)  # check_conf: it exists
+    cache = _policy_cache(conf, traces, cost)
+    learned: dict[str, list[Path]] = {}
+    for learner in conf.learners:
+        paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
+        if len(paths) != len(conf.seeds):
+            a = conf.algo
+            per_seed = (a.iterations if learner.startswith("aggrevate") else 0) + (
+                a.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
+            tb = tqdm(total=per_seed * len(conf.seeds), desc=f"train {learner} ({cost.name})",
+                      disable=not conf.progress)  # fmt: skip
+            paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
+            tb.close()
+        learned[learner] = paths
+    return learned
 
 
 def run(conf: MainConf, out_dir: Path) -> dict:
@@ -80,22 +138,7 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     t_record = time.perf_counter() - t0
     rows, extras, policies = [], {}, {}
     for cost in conf.costs:
-        learned: dict[str, list[Path]] = {}
-        if conf.policy_path:
-            learned["learned"] = [Path(conf.policy_path)]
-        else:
-            cache = _policy_cache(conf, traces, cost)
-            for learner in conf.learners:
-                paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
-                if len(paths) != len(conf.seeds):
-                    a = conf.algo
-                    per_seed = (a.iterations if learner.startswith("aggrevate") else 0) + (
-                        a.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
-                    tb = tqdm(total=per_seed * len(conf.seeds), desc=f"train {learner} ({cost.name})",
-                              disable=not conf.progress)  # fmt: skip
-                    paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
-                    tb.close()
-                learned[learner] = paths
+        learned = learned_policies(conf, traces, cost)
         policies[cost.name] = {k: [str(p) for p in v] for k, v in learned.items()}
         paths = [p for v in learned.values() for p in v]
         n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
@@ -106,7 +149,7 @@ def run(conf: MainConf, out_dir: Path) -> dict:
         extras[cost.name] = x
         for wl, data in p.items():
             plot_all(data, out_dir / "plots" / cost.name / wl)
-        for src in paths:  # keep the frozen policies next to the report
+        for src in paths if not cost.policies_from else ():  # keep the frozen policies next to the report
             dst = out_dir / "policies" / cost.name / Path(src).parent.name / Path(src).name
             if not dst.exists():
                 shutil.copytree(src, dst)

@@ -64,10 +64,19 @@ class ModelsConf:
 @dataclass
 class CostSpecConf:
     name: str = "roofline-h200-qwen3_30b_a3b"
-    kind: str = "roofline"  # roofline | fitted (this machine's measured cost, fitted on the trace)
+    # roofline | fitted (this machine's measured cost, fitted on the trace) | roofline-offload (experts in host
+    # memory, a device cache, misses over PCIe: env.cost_offload) | roofline-ep (EP over one node: env.cost_ep)
+    kind: str = "roofline"
     hardware: str = "h200"
     model_spec: str = "qwen3_30b_a3b"
     drafter_spec: str = "auto"
+    offload_cache: float = 0.25  # roofline-offload: device cache slots per MoE layer, a fraction of the experts
+    offload_policy: str = "lru"  # roofline-offload: lru | lfu
+    ep_ranks: int = 8  # roofline-ep: EP ranks (GPUs of one node)
+    ep_placement: str = "contiguous"  # roofline-ep: contiguous | round_robin | load_balanced
+    # evaluate the learned policies trained under this other entry of `costs` (a transfer result) instead of
+    # training under this cost model; None: train (or reuse the cached policies) under this one
+    policies_from: str | None = None
 
 
 @dataclass

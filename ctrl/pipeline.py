@@ -50,13 +50,24 @@ def check_conf(conf: MainConf) -> None:
         raise FileNotFoundError(f"workloads.prompts={w.prompts}: no such file")
     if w.train < 1 or w.test < 1:
         raise ValueError(f"workloads.train and workloads.test must be >= 1, got {w.train}, {w.test}")
+    from env.costs import COST_KINDS
+
+    names = [c.name for c in conf.costs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"cost model names must be unique, got {names}")
     for c in conf.costs:
-        if c.kind not in ("roofline", "fitted"):
-            raise ValueError(f"cost {c.name}: kind must be roofline or fitted, got {c.kind!r}")
-        if c.kind == "roofline":
+        if c.kind not in COST_KINDS:
+            raise ValueError(f"cost {c.name}: kind must be one of {COST_KINDS}, got {c.kind!r}")
+        if c.kind != "fitted":
             load_hardware(c.hardware)
             if c.model_spec != "target":
                 load_model_spec(c.model_spec)
+        if c.policies_from is not None:
+            src = next((x for x in conf.costs if x.name == c.policies_from), None)
+            if src is None or src.policies_from is not None or src is c:
+                raise ValueError(f"cost {c.name}: policies_from={c.policies_from!r} must name another entry of "
+                                 f"costs that trains its own policies (one of {names})")  # fmt: skip
+    _check_regimes(conf)
     grid = grid_of(conf)
     if grid.max_depth > conf.models.kmax or not set(grid.widths) <= set(conf.models.widths):
         raise ValueError(f"grid depths/widths {grid.depths}/{grid.widths} exceed what is recorded "
@@ -66,6 +77,16 @@ def check_conf(conf: MainConf) -> None:
     for name in conf.policies:
         if name not in POLICY_FACTORIES:
             raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICY_FACTORIES)}")
+
+
+def _check_regimes(conf: MainConf) -> None:
+    """The offload / EP options of every cost model, checked by building its cost model on the spec alone."""
+    from env.costs import make_cost_model
+    from env.replay import as_cost_conf
+
+    for c in conf.costs:
+        if c.kind in ("roofline-offload", "roofline-ep") and c.model_spec != "target":
+            make_cost_model(as_cost_conf(env_cost(c)), {})  # ValueError: bad fraction, policy, ranks, placement
 
 
 # ---------------------------------------------------------------------------------------------- traces
@@ -110,7 +131,12 @@ def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Seque
 
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:
     """The environments' `cost` argument (env.costs.CostConf fields) of a cost model of the main job."""
-    return dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec, drafter_spec=cost.drafter_spec)
+    out = dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec, drafter_spec=cost.drafter_spec)
+    if cost.kind == "roofline-offload":
+        out.update(offload_cache=cost.offload_cache, offload_policy=cost.offload_policy)
+    if cost.kind == "roofline-ep":
+        out.update(ep_ranks=cost.ep_ranks, ep_placement=cost.ep_placement)
+    return out
 
 
 def calibrate(conf: MainConf, traces: dict[str, Any]) -> Any:
@@ -299,6 +325,7 @@ def evaluate(
     extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}}
     frozen = {learner: [load_frozen_policy(p) for p in paths] for learner, paths in policy_paths.items() if paths}
     tick = on_policy or (lambda name: None)
+    trained = cost.policies_from or cost.name  # the cost model the learned policies were trained under
     calibration = calibrate(conf, traces)
     extras["calibration"] = {}
     for name in sorted(traces):
@@ -333,13 +360,14 @@ def evaluate(
             add(pname, run_requests(env, test_ids, pol.act, "spec", reset=pol.reset))
         # the hindsight oracle (replay only): the upper bound
         oracle = HindsightOracle(env, objective="cost")
-        add("oracle", run_requests(env, test_ids, lambda v, o=oracle: o.action(), "index"))
+        bound = {} if not env.unwrapped.cost_model.stateful else {"bound": False}  # plans on a proxy (env.oracle)
+        add("oracle", run_requests(env, test_ids, lambda v, o=oracle: o.action(), "index"), **bound)
         # learned: every algorithm, every seed, and their mean over seeds
         for learner, fps in frozen.items():
             seed_rows = []
             for k, fp in enumerate(fps):
                 reqs = run_requests(env, test_ids, frozen_runner(fp, env), "index")
-                r = row(f"{learner}-seed{k}", name, cost, reqs, seed=fp.card.get("seed"))
+                r = row(f"{learner}-seed{k}", name, cost, reqs, seed=fp.card.get("seed"), trained_under=trained)
                 rows.append(r)
                 seed_rows.append(r)
                 runs.setdefault(learner, reqs)
@@ -347,7 +375,8 @@ def evaluate(
             numeric = [k for k, v in seed_rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
             mean = {key: float(np.mean([r[key] for r in seed_rows])) for key in numeric}
             mean.update(policy=learner, workload=name, backend="replay", cost_model=cost.name, exact=True,
-                        seeds=len(seed_rows), seed_min=min(r["committed_per_cost"] for r in seed_rows),
+                        trained_under=trained, seeds=len(seed_rows),
+                        seed_min=min(r["committed_per_cost"] for r in seed_rows),
                         seed_max=max(r["committed_per_cost"] for r in seed_rows))  # fmt: skip
             rows.append(mean)
             base = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
@@ -361,7 +390,7 @@ def evaluate(
             ]
             if conf.ablation:
                 extras["ablation"].setdefault(learner, {})[name] = ablation(env, train_ids, test_ids, fps, grid)
-        if conf.live_requests > 0:
+        if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
             rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
                               next(iter(frozen.values()), [])[:1], env, calibration)  # fmt: skip
         for pol_name, reqs in runs.items():

@@ -46,7 +46,7 @@ from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
 from env.actions import ActionCodec, as_grid
-from env.costs import CostConf, RoundCost, drafter_steps, make_cost_model, uses_recorded_routing
+from env.costs import REPLAY_ONLY_KINDS, CostConf, RoundCost, drafter_steps, make_cost_model, uses_recorded_routing
 from env.models import load_models
 from env.replay import as_cost_conf
 from env.tables import footprint_of, pairs_int
@@ -122,6 +122,11 @@ class LiveEnv(gym.Env):
         cost_conf = as_cost_conf(
             {**(dict(cost) if isinstance(cost, Mapping) else {}), "kind": "fitted"} if measured else cost
         )
+        if cost_conf.kind in REPLAY_ONLY_KINDS:
+            raise ValueError(
+                f"cost kind {cost_conf.kind!r} prices replay only (stateful expert cache or routing-priced EP): "
+                "use expertspec/Replay-v0, or kind roofline / fitted / measured here"
+            )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if max_new_tokens < 2:

@@ -11,6 +11,12 @@ In replay an action's outcome at a position (committed tokens, cost) does not de
 of every policy over the grid: no controller can beat it on its trace. It reads the future, so it is a
 policy only in replay: `HindsightOracle(env)` looks up the running episode's position.
 
+Under a stateful cost model (roofline-offload: a round's transfers depend on the episode's device cache) the
+DP plans on the tables' stateless proxy (transfers against the cache plain decoding holds at each position,
+env.tables), a DP over cache states being intractable: the plan is then a strong hindsight policy, not a
+bound, and its episodes are priced by the env with the true stateful cost. `static_returns` simulates each
+static action's episode with its own cache, so the best static action is chosen on the true cost.
+
 Shape letters: T=positions of a request A=grid actions.
 """
 
@@ -77,6 +83,8 @@ def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
     positions = env.unwrapped.trace.positions_of(request)
     p0, T = positions.start, len(positions)
     A = tables.cost.shape[1]
+    if env.unwrapped.cost_model.stateful:
+        return _stateful_static_returns(env.unwrapped, p0, T)
     t = np.zeros(A, dtype=np.int64)
     ret, total = np.zeros(A), np.zeros(A)
     cols = np.arange(A)
@@ -91,6 +99,34 @@ def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
         ret[live] += com - cost / tables.ar[p]
         total[live] += cost
         t[live] += com
+    return ret, total
+
+
+def _stateful_static_returns(e: Any, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """static_returns under a stateful cost: each action's episode with its own device cache (env.cost_offload),
+    priced as ReplayEnv.step prices it."""
+    from env.cost_offload import unpack_pairs
+
+    tables, model = e.tables, e.cost_model
+    L, E, _ = model.routing_shape
+    A = tables.cost.shape[1]
+    ret, total = np.zeros(A), np.zeros(A)
+    masks: dict[int, np.ndarray] = {}
+    for a in range(A):
+        state = model.new_state()
+        t = 0
+        while t < T:
+            p = p0 + t
+            o = int(tables.outcome[p, a])
+            mask = masks.get(o)
+            if mask is None:
+                mask = masks[o] = unpack_pairs(tables.o_pairs[o], L, E)
+            verify = float(tables.o_verify[o]) + model.transfer(int(state.access(mask).sum()))
+            cost = float(tables.draft_cost[p, a]) + verify + float(tables.o_book[o])
+            com = int(tables.committed_pa[p, a])
+            ret[a] += com - cost / tables.ar[p]
+            total[a] += cost
+            t += com
     return ret, total
 
 

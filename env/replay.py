@@ -32,6 +32,10 @@ or its fields; widths must be recorded in the trace), action_kind, cost (env.cos
 fields), routing ("auto" | "recorded" | "synthetic"), calibration (confidence -> P(accepted)),
 requests (indices to draw from), target_digest / drafter_digest (checked against the trace).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
+
+Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
+device expert cache, empty at every reset, and adds each round's expert transfers at step time (`cost`,
+`cost_verify`); everything else is still a lookup, and the same actions give the same costs after any reset.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from engine.runtime.observation import OBS_DIM, History, observe_history
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
+from env.cost_offload import pairs_mask
 from env.costs import CostConf, make_cost_model, uses_recorded_routing
 from env.tables import PositionReplayer, ReplayTables, load_or_build_tables, routing_for
 from env.trace import Trace, load_trace
@@ -167,6 +172,8 @@ class ReplayEnv(gym.Env):
         self._ar = t.ar.tolist()
         self._specs = {}
         self.routing_shape = tuple(self.cost_model.routing_shape)
+        self._stateful = bool(self.cost_model.stateful)
+        self._device_cache = None  # roofline-offload: the episode's expert cache (env.cost_offload)
 
     def _spec_fields(self, idx: tuple[int, int, int, int]) -> tuple[int, int, float, str]:
         s = self._specs.get(idx)
@@ -191,7 +198,7 @@ class ReplayEnv(gym.Env):
             raise ValueError(f"λ = {spec.lam} > 0 needs predicted experts; this trace has none")
         o = rp.outcome(spec)
         d = rp.draft_cost(spec, self.trace.has_predictions)
-        return o, d + o.verify + self.cost_model.book(o.n), d, rp.ar
+        return o, d + o.verify + self.cost_model.book(o.n), d, self._ar[p]  # T_AR: the tables' (plain decoding's)
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -215,6 +222,8 @@ class ReplayEnv(gym.Env):
         self._actions: list[list[int]] = []
         self._rewards: list[float] = []
         self.total_cost = 0.0
+        if self._stateful:
+            self._device_cache = self.cost_model.new_state()  # empty at the start of every episode
         obs = self._observe()
         return obs.vector(), {"request": req, "position": 0, "prompt_len": self._prompt_len}
 
@@ -259,6 +268,11 @@ class ReplayEnv(gym.Env):
             bonus, conf, new_pairs, distinct = self._bonus[o], self._conf[o], self._new[o], self._distinct[o]
             tpe = None if self._tpe is None else torch.from_numpy(self._tpe[o])
             reuse, verify, book = self._reuse[o], self._verify[o], self._book[o]
+        if self._stateful:  # the round's expert transfers against this episode's cache (env.cost_offload)
+            L, E, _ = self.routing_shape
+            transfer = self.cost_model.transfer(int(self._device_cache.access(pairs_mask(pairs, L, E)).sum()))
+            verify = verify + transfer
+            cost = draft + verify + book
         overlap = None
         if self._prev_pairs is not None:
             overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)

@@ -14,6 +14,10 @@ For position p (root = last committed token, t = its index in the request) and a
     footprint = engine.runtime.footprint.round_footprint of the verified nodes' routing (the recorded
                 target's, or identity-keyed synthetic routing of the priced model: engine.cost.node_router)
     cost      = env.costs.CostModel: T_draft(Kd, W, λ > 0) + T_verify(n, Σ U_l, context) + T_book, and T_AR
+                (roofline-ep prices from the verified nodes' routing ids; roofline-offload, stateful, adds to
+                `cost` the expert transfers against the cache plain decoding holds at p — the oracle's
+                stateless proxy; `o_verify` stays resident-only and the replay env adds the transfers against
+                the episode's own cache — and T_AR includes the root's transfers against that plain cache)
 
 `PositionReplayer.outcome(spec)` does this for any SpecConfig the trace covers (replay of off-grid
 policies); `build_tables` runs it for every grid action and stores the distinct outcomes once per
@@ -43,7 +47,9 @@ from engine.runtime.footprint import round_footprint
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
 from env.actions import ActionCodec
-from env.costs import CostModel, drafter_steps
+from env.cost_model import CostModel
+from env.cost_offload import pairs_mask, root_mask
+from env.costs import drafter_steps
 from env.trace import Trace, atomic_write_bytes
 
 TABLES_VERSION = 3  # 3: the threshold rule's early stop prices the drafter forwards it saves
@@ -130,8 +136,9 @@ class PositionReplayer:
         self.on_path = on_path
         remaining = int(trace.meta["max_new_tokens"]) - t
         self.depth_cap = min(trace.kmax, remaining - 1) if remaining > 1 else 0
+        self.t = t
         self.context = len(trace.prompt(request)) + t - 1
-        self.ar = cost.ar(self.context)
+        self.ar = cost.ar(self.context, self.ids[:1] if cost.needs_routing else None)  # the root's routing
         self._orders = {}
         self._cache: dict[tuple, tuple[tuple[int, ...], tuple[float, ...]]] = {}
         self._outcomes: dict[tuple, Outcome] = {}
@@ -227,7 +234,11 @@ class PositionReplayer:
         fp = footprint_of(self.ids[nodes], self.cost.routing_shape[1])
         counts = fp.tokens_per_expert.numpy()
         verify = self.cost.verify(
-            n, int(sum(fp.distinct_experts)), self.context, counts if self.cost.needs_counts(n) else None
+            n,
+            int(sum(fp.distinct_experts)),
+            self.context,
+            counts if self.cost.needs_counts(n) else None,
+            self.ids[nodes] if self.cost.needs_routing else None,
         )
         o = Outcome(
             accepted=accepted,
@@ -324,20 +335,31 @@ def build_tables(
     committed_pa = np.zeros((P, A), dtype=np.int16)
     ar, context = np.zeros(P), np.zeros(P, dtype=np.int32)
     rows: list[Outcome] = []
+    plain = None  # stateful cost (roofline-offload): the device cache plain decoding holds at this position
     for p, rp in replayers(trace, routing, cost, keep_tpe):
         ar[p], context[p] = rp.ar, rp.context
+        if cost.stateful and rp.t == 0:
+            plain = cost.new_state()
         local: dict[int, int] = {}
+        transfer: dict[int, float] = {}
         for a, spec in enumerate(specs):
             o = rp.outcome(spec)
             g = local.get(id(o))
             if g is None:
                 g = local[id(o)] = len(rows)
                 rows.append(o)
+                if plain is not None:  # the DP's stateless proxy: transfers against plain decoding's cache
+                    transfer[g] = cost.transfer(plain.peek(pairs_mask(o.pairs, L, E)))
             d = rp.draft_cost(spec, predicts)
             outcome[p, a] = g
             draft_pa[p, a] = d
-            cost_pa[p, a] = d + o.verify + cost.book(o.n)
+            if plain is None:
+                cost_pa[p, a] = d + o.verify + cost.book(o.n)
+            else:
+                cost_pa[p, a] = d + o.verify + transfer[g] + cost.book(o.n)
             committed_pa[p, a] = o.committed
+        if plain is not None:  # T_AR: the root's misses against plain decoding's cache, which then serves it
+            ar[p] = rp.ar + cost.transfer(int(plain.access(root_mask(rp.ids[0], E)).sum()))
         if on_position is not None:
             on_position()
     O = len(rows)

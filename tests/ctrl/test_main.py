@@ -73,6 +73,38 @@ def test_main_job_second_run_reuses_traces_and_policies(smoke_run):
     assert [(r["policy"], r["committed_per_cost"]) for r in a] == [(r["policy"], r["committed_per_cost"]) for r in b]
 
 
+def test_evaluate_on_request_under_the_offload_and_ep_regimes(smoke_run):
+    """`ctrl.evaluate +experiment=regimes` on the smoke run's cache: the roofline-trained policies evaluated
+    unchanged under the offloaded and the EP cost (no training), every row naming its cost model."""
+    tmp, _, _ = smoke_run
+    run = tmp / "regimes"
+    cmd = [sys.executable, "-m", "ctrl.evaluate", "+experiment=[main_smoke,regimes]", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train " not in proc.stderr  # the roofline policies of the smoke run are reused
+    rows = json.loads((run / "results.json").read_text())
+    offload, ep = "offload-h200-qwen3_30b_a3b", "ep8-h200-qwen3_30b_a3b"
+    assert {r["cost_model"] for r in rows} == {"roofline-h200-qwen3_30b_a3b", offload, ep}
+    assert all(set(r) >= ROW_FIELDS for r in rows)
+    for cost in (offload, ep):
+        mine = [r for r in rows if r["cost_model"] == cost]
+        assert {r["policy"] for r in mine} >= FAMILIES and all(r["backend"] == "replay" for r in mine)
+        assert all(r["trained_under"] == "roofline-h200-qwen3_30b_a3b" for r in mine if "trained_under" in r)
+        assert all(r["speedup_vs_ar"] == pytest.approx(1.0, abs=1e-12) for r in mine if r["policy"] == "target-only")
+    oracle = {(r["cost_model"], r["workload"]): r for r in rows if r["policy"] == "oracle"}
+    for (cost, workload), o in oracle.items():
+        if cost == offload:  # it plans on plain decoding's cache: a hindsight policy, not a bound
+            assert o["bound"] is False
+            continue
+        assert "bound" not in o  # EP is stateless: the DP is exact, the oracle bounds every policy
+        for r in rows:
+            if r["cost_model"] == cost and r["workload"] == workload:
+                assert r["committed_per_cost"] <= o["committed_per_cost"] * (1 + 1e-9), r["policy"]
+    report = (run / "report.md").read_text()
+    assert "OFFLOADED to host memory" in report and "EXPERT PARALLELISM over 8 GPUs" in report
+    assert "transfer result" in report
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, smoke_run):
     """A frozen PPO policy trained for a few hundred steps on the smoke traces, and its SB3 model."""
