@@ -7,10 +7,9 @@ its identity, the tokens of its path (prompt, committed tokens, then the tree pa
 
     key(root of a request) = fold of mix64 over (seed, prompt tokens)      64-bit identities
     key(child)             = mix64(key(parent) + (token + 1) * GAMMA)      a node, or the next committed token
-    latent g [L, E]        per coordinate (l, e), with u, h counter-based noise of key(node):
-                             u < q_t[l]                    copy the parent's g[l, e]       (temporal / tree)
-                             else v < q_x[l], v = rescaled u   follow g[l - 1, follow_l(e)]   (cross-layer)
-                             else                          fresh Gumbel h[l, e]
+    latent g [L, E]        per coordinate (l, e), with h, w, u counter-based noise of key(node):
+                             h[l, e] = h[l - 1, follow_l(e)] if w < q_x[l]   else fresh Gumbel  (cross-layer)
+                             g[l, e] = parent's g[l, e]      if u < q_t[l]   else h[l, e]       (temporal / tree)
     experts                top-r of (log popularity[l] + g[l]) per layer
 
 Popularity, the cross-layer map follow_l and the shares q_t (consecutive tokens share
@@ -75,8 +74,8 @@ class NodeRouter:
         self.temporal_share = base.temporal_share.numpy().astype(np.float64)  # [L] q_t
         self.crosslayer_share = base.crosslayer_share.numpy().astype(np.float64)  # [L] q_x
         LE = num_layers * num_experts
-        self._counters = (np.arange(1, 2 * LE + 1, dtype=np.uint64) * np.uint64(_GAMMA)).reshape(
-            2, num_layers, num_experts
+        self._counters = (np.arange(1, 3 * LE + 1, dtype=np.uint64) * np.uint64(_GAMMA)).reshape(
+            3, num_layers, num_experts
         )
 
     def sequence_key(self, tokens: Sequence[int]) -> int:
@@ -91,17 +90,16 @@ class NodeRouter:
         [N, L, E] (None: no parent, e.g. a request's first root)."""
         k = np.asarray([int(x) & _M64 for x in keys], dtype=np.uint64)  # [N]
         with np.errstate(over="ignore"):
-            bits = _mix64_np(k[:, None, None, None] + self._counters[None])  # [N, 2, L, E]
-        u = ((bits[:, 1] >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # [N, L, E] in (0, 1)
-        h = -np.log(-np.log(((bits[:, 0] >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53))  # Gumbel
-        q_t = self.temporal_share[None, :, None] if parent_latent is not None else 0.0
-        copy = u < q_t
-        v = (u - q_t) / (1.0 - q_t)  # uniform again given "no copy"
-        follow = (~copy) & (v < self.crosslayer_share[None, :, None])
-        g = np.where(copy, parent_latent if parent_latent is not None else 0.0, h)
-        for layer in range(1, self.num_layers):  # cross-layer following needs the previous layer's final g
-            g[:, layer] = np.where(follow[:, layer], g[:, layer - 1][:, self.follow[layer]], g[:, layer])
-        return g
+            bits = _mix64_np(k[:, None, None, None] + self._counters[None])  # [N, 3, L, E]
+        unit = lambda b: ((b >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # noqa: E731 - (0, 1)
+        h = -np.log(-np.log(unit(bits[:, 0])))  # fresh Gumbel noise
+        follow = unit(bits[:, 2]) < self.crosslayer_share[None, :, None]
+        for layer in range(1, self.num_layers):  # cross-layer following acts on the fresh noise, as in
+            h[:, layer] = np.where(follow[:, layer], h[:, layer - 1][:, self.follow[layer]], h[:, layer])
+        if parent_latent is None:  # SyntheticRouter; then the temporal / tree copy of the parent's latent
+            return h
+        copy = unit(bits[:, 1]) < self.temporal_share[None, :, None]
+        return np.where(copy, parent_latent, h)
 
     def route(self, latent: np.ndarray) -> np.ndarray:
         """Latents [N, L, E] -> expert ids [N, L, r] int16, best router score first."""
