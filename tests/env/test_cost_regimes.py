@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_GRID  # noqa: E402  (tests/env is on sys.path while pytest runs its conftest)
 
 from engine.cost.roofline import RooflineCost, load_hardware, load_model_spec
 from engine.offload.cache import ExpertOffload
@@ -165,7 +166,6 @@ def _episode(e, request: int, actions: list) -> list[tuple[float, float, float]]
 
 @pytest.mark.parametrize("model_spec", ["target", "qwen3_30b_a3b"])
 def test_offload_replay_is_deterministic_and_plain_decoding_pays_exactly_t_ar(greedy_trace, model_spec):
-    from conftest import SMALL_GRID
 
     from env.oracle import static_returns
     from env.replay import ReplayEnv
@@ -191,7 +191,6 @@ def test_offload_replay_is_deterministic_and_plain_decoding_pays_exactly_t_ar(gr
 
 
 def test_ep_replay_prices_the_recorded_routing(greedy_trace):
-    from conftest import SMALL_GRID
 
     from env.replay import ReplayEnv
 
