@@ -57,8 +57,7 @@ TABLES_VERSION = 4  # 4: NodeRouter's cross-layer following acts on fresh noise 
 
 def footprint_of(ids: np.ndarray, num_experts: int):
     """round_footprint (the engine's own function) of verified nodes' routing ids [n, L, r], root first."""
-    t = torch.from_numpy(ids.astype(np.int64))
-    return round_footprint([t[:, layer] for layer in range(ids.shape[1])], num_experts, None)
+    return round_footprint(torch.from_numpy(ids.astype(np.int64)), num_experts, None)
 
 
 def pairs_int(fp) -> int:

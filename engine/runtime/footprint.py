@@ -28,19 +28,29 @@ class Footprint:
     new_pairs_per_node: float  # (layer, expert) pairs beyond the root's own, per drafted node (0 if n = 1)
 
 
-def round_footprint(expert_ids: Sequence[torch.Tensor], num_experts: int, prev_pairs: torch.Tensor | None) -> Footprint:
-    """expert_ids: L x [n, r] routing of the verified tokens (root first) -> Footprint."""
-    counts = torch.stack([torch.bincount(e.reshape(-1), minlength=num_experts) for e in expert_ids]).cpu()  # [L, E]
+def round_footprint(
+    expert_ids: Sequence[torch.Tensor] | torch.Tensor, num_experts: int, prev_pairs: torch.Tensor | None
+) -> Footprint:
+    """expert_ids: L x [n, r] routing of the verified tokens (root first), or them stacked [n, L, r] -> Footprint."""
+    if isinstance(expert_ids, torch.Tensor):
+        ids = expert_ids.cpu().long()
+    else:
+        ids = torch.stack([e.reshape(e.shape[0], -1) for e in expert_ids], 1).cpu().long()  # [n, L, r]
+    L, E = ids.shape[1], num_experts
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError("round_footprint takes global expert ids >= 0 (a -1 'not local' id has no expert)")
+    flat = ids + (torch.arange(L) * E).view(1, L, 1)  # (layer, expert) -> layer * E + expert: one bincount
+    counts = torch.bincount(flat.reshape(-1), minlength=L * E).view(L, E)  # [L, E]
     pairs = counts > 0
     distinct = pairs.sum(1).tolist()
-    total = sum(e.numel() for e in expert_ids)
-    n = int(expert_ids[0].shape[0]) if expert_ids else 0
+    total = ids.numel()
+    n = int(ids.shape[0])
     overlap = None
     if prev_pairs is not None:
         overlap = float((pairs & prev_pairs).sum()) / max(int(pairs.sum()), 1)
     new_per_node = 0.0
     if n > 1:
-        root = sum(int(torch.unique(e[0]).numel()) for e in expert_ids)
+        root = int((torch.bincount(flat[0].reshape(-1), minlength=L * E) > 0).sum())  # the root's own pairs
         new_per_node = (int(pairs.sum()) - root) / (n - 1)
     return Footprint(
         distinct_experts=distinct,
