@@ -79,15 +79,16 @@ def make_checkpoint(shape: BoundShape, folder: Path, seed: int = 0) -> Path:
     return path
 
 
-def _weight_bytes(model, distinct: list[float]) -> tuple[float, float]:
-    """(bytes, FLOPs per token of dense parts) a forward reads: dense weights + LM head + U_l experts per layer."""
+def weight_bytes(model, distinct_total: float) -> tuple[float, float]:
+    """(bytes a forward reads, FLOPs per token): every dense weight, the LM head (tied or not; the embedding reads
+    one row) and the experts the tokens route to, `distinct_total` = Σ_l U_l."""
     cfg = model.config
     itemsize = model.dtype.itemsize
     dense = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." not in n and "embed_tokens" not in n)
     if cfg.tie_word_embeddings:
         dense += model.lm_head.weight.numel()
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return (dense + sum(distinct) * expert) * itemsize, 2.0 * (dense + len(cfg.moe_layers) * cfg.top_r * expert)
+    return (dense + distinct_total * expert) * itemsize, 2.0 * (dense + len(cfg.moe_layers) * cfg.top_r * expert)
 
 
 @torch.inference_mode()
@@ -154,12 +155,12 @@ def bench_shape(path: Path, sizes: list[int], new_tokens: int, repeats: int, bw:
             t0 = time.perf_counter()
             hf_generate(ref, prompt, new_tokens)
             hf_s.append((time.perf_counter() - t0) / new_tokens)
-    nbytes, flops = _weight_bytes(model, decode_distinct)
+    nbytes, flops = weight_bytes(model, sum(decode_distinct))
     step = min(steps)
     rows = [_row(1, step, nbytes, flops, bw, min(hf_s) if hf_s else None, decode_distinct)]
     for n in sizes:
         t, distinct = _verify_times(model, n, 128, max(repeats * 3, 5))
-        nb, fl = _weight_bytes(model, distinct)
+        nb, fl = weight_bytes(model, sum(distinct))
         t_hf = _hf_verify_time(ref, n, 128, max(repeats * 3, 5)) if ref is not None else None
         rows.append(_row(n, t, nb, fl * n, bw, t_hf, distinct))
     return {"params": sum(p.numel() for p in model.parameters()), "rows": rows}

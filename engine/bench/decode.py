@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.bench.bound import bench_bound, measure_bandwidth
+from engine.bench.bound import bench_bound, measure_bandwidth, weight_bytes
 from engine.bench.common import bench_paths, bench_prompts, equal_length, hf_generate
 from engine.bench.configs import BenchConfig
 from engine.cost.verify_curve import cached_verify_curve
@@ -68,16 +68,7 @@ def _step_vs_bound(model, cfg: BenchConfig, bandwidth: float) -> dict:
     mean_u = statistics.mean(r.mean_distinct_experts for r in routed) if model.config.is_moe else 0
     plain = engine.Engine(model, instrument=False, timing=False).generate(prompt, 64)[0].rounds[8:]
     step_s = statistics.median(r.round_seconds for r in plain)
-    cfgm = model.config
-    per_param = model.dtype.itemsize
-    # every dense weight, the LM head (tied or not) and the routed experts; the embedding reads one row
-    dense = sum(
-        p.numel() for n_, p in model.named_parameters() if ".mlp.experts." not in n_ and "embed_tokens" not in n_
-    )
-    if cfgm.tie_word_embeddings:
-        dense += model.lm_head.weight.numel()
-    expert = 3 * cfgm.hidden_size * cfgm.moe_intermediate_size
-    touched = (dense + len(cfgm.moe_layers) * mean_u * expert) * per_param
+    touched, _ = weight_bytes(model, len(model.config.moe_layers) * mean_u)
     bound = touched / bandwidth
     return {
         "step_seconds": step_s,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from engine.bench.bound import weight_bytes
 from engine.bench.common import hf_generate
 
 QWEN3_30B_A3B = dict(
@@ -80,9 +81,7 @@ def bench_graphs(layers: int, batch_sizes: list[int], new_tokens: int, repeats: 
                 times["transformers"].append(time.perf_counter() - t0)
         rounds = routed.generate(prompts, 8)[0].rounds[2:]
         distinct = statistics.mean(sum(r.distinct_experts) for r in rounds)  # Σ_l U_l per step
-        expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
-        dense = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." not in n and "embed" not in n)
-        bound = (dense * 2 + distinct * expert) / bw
+        bound = weight_bytes(model, distinct)[0] / bw
         row = {"batch": bsz, "roofline_step_s": bound, "agree": tokens["eager"] == tokens["graphs"]}
         if "transformers" in tokens:
             row["agree_transformers"] = tokens["eager"] == tokens["transformers"]
