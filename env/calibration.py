@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.runtime.calibration import IsotonicCalibration
+from engine.drafting.acceptance import AGREE, DISAGREE, MAX_NGRAM, NONE, STATES, AcceptanceModel, agreement
+from engine.spec.calibration import IsotonicCalibration
 from env.trace import Trace
 
 
@@ -119,3 +120,84 @@ def calibration_error(trace: Trace, calibration: Any, requests: list[int]) -> di
         "ece_raw": expected_calibration_error(raw_c, y_all),
         "ece_calibrated": expected_calibration_error(cal_c, y_all),
     }
+
+
+# ---------------------------------------------------------------------------------------------- node acceptance
+def node_samples(trace: Trace, requests: list[int], max_ngram: int = MAX_NGRAM) -> dict[str, np.ndarray]:
+    """Every recorded union-tree node whose parent is on the continuation's path: its agreement state with the
+    prompt-lookup continuation (engine.drafting.acceptance), depth, stored conditional probability, and label
+    "its token is the continuation's" -> arrays state, depth, cond, label [S]."""
+    state, depth, cond, label = [], [], [], []
+    for i in requests:
+        prompt, cont = trace.prompt(i).tolist(), trace.continuation_of(i).tolist()
+        for t, p in enumerate(trace.positions_of(i)):
+            sl = trace.nodes_of(p)
+            tok, par = trace.node_token[sl].tolist(), trace.node_parent[sl].tolist()
+            dep, cp = trace.node_depth[sl].tolist(), trace.node_cond_prob[sl].tolist()
+            ctx = prompt + cont[:t]
+            paths: list[list[int] | None] = [[]]  # path tokens of on-path nodes (None: off the path)
+            for j in range(1, len(tok)):
+                base = paths[par[j]]
+                d = dep[j]
+                if base is None or t + d - 1 >= len(cont):
+                    paths.append(None)
+                    continue
+                ok = tok[j] == cont[t + d - 1]
+                state.append(agreement(ctx + base, tok[j], max_ngram))
+                depth.append(d)
+                cond.append(cp[j])
+                label.append(float(ok))
+                paths.append(base + [tok[j]] if ok else None)
+    return {
+        "state": np.asarray(state, dtype=np.int64),
+        "depth": np.asarray(depth, dtype=np.int64),
+        "cond": np.asarray(cond, dtype=np.float64),
+        "label": np.asarray(label, dtype=np.float64),
+    }
+
+
+def fit_acceptance(parts: list[tuple[Trace, list[int]]], min_samples: int = 20) -> AcceptanceModel:
+    """The calibrated rule's AcceptanceModel: per agreement state, one isotonic fit of the label on the
+    conditional draft probability per depth, over the training requests of several traces. A (state, depth)
+    with fewer than `min_samples` samples reuses the previous depth's fit (at depth 1: the state's pooled fit
+    over all depths, else the identity)."""
+    samples = [node_samples(t, list(r)) for t, r in parts]
+    s = {k: np.concatenate([x[k] for x in samples]) for k in ("state", "depth", "cond", "label")}
+    K = max((t.kmax for t, _ in parts), default=1)
+    maps = []
+    for state in (NONE, AGREE, DISAGREE):
+        at = s["state"] == state
+        pooled: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+        if at.sum() >= min_samples:
+            kx, ky = _isotonic(s["cond"][at], s["label"][at])
+            pooled = (tuple(kx.tolist()), tuple(ky.tolist()))
+        xs, ys, prev = [], [], pooled
+        for d in range(1, K + 1):
+            m = at & (s["depth"] == d)
+            if m.sum() >= min_samples:
+                kx, ky = _isotonic(s["cond"][m], s["label"][m])
+                prev = (tuple(kx.tolist()), tuple(ky.tolist()))
+            xs.append(prev[0])
+            ys.append(prev[1])
+        maps.append(IsotonicCalibration(tuple(xs), tuple(ys)))
+    return AcceptanceModel((maps[0], maps[1], maps[2]))
+
+
+def acceptance_error(trace: Trace, model: AcceptanceModel, requests: list[int]) -> dict[str, Any]:
+    """Held-out check of an AcceptanceModel: ECE and Brier score of P(accepted | parent accepted) from the raw
+    conditional probability and from the model, share of samples per agreement state and their acceptance."""
+    s = node_samples(trace, requests, model.max_ngram)
+    y = s["label"]
+    pred = np.asarray([model(c, d, st) for c, d, st in zip(s["cond"], s["depth"], s["state"])])
+    out: dict[str, Any] = {
+        "samples": int(len(y)),
+        "ece_raw": expected_calibration_error(s["cond"], y),
+        "ece_model": expected_calibration_error(pred, y),
+        "brier_raw": float(np.mean((s["cond"] - y) ** 2)) if len(y) else 0.0,
+        "brier_model": float(np.mean((pred - y) ** 2)) if len(y) else 0.0,
+    }
+    for state, name in zip((NONE, AGREE, DISAGREE), STATES):
+        m = s["state"] == state
+        out[f"share_{name}"] = float(m.mean()) if len(y) else 0.0
+        out[f"accept_{name}"] = float(y[m].mean()) if m.any() else 0.0
+    return out

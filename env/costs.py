@@ -65,9 +65,10 @@ class CostConf:
 
 
 def drafter_steps(depth_cap: int, built_depth: int, spec: Any) -> int:
-    """Drafter forwards a round takes: one per depth grown. Under the threshold rule growth stops at the first
-    depth with no node above the threshold (engine.drafting.tree_growth), after built_depth + 1 forwards."""
-    if spec.verify_rule == "threshold":
+    """Drafter forwards a round takes: one per depth grown. Under the threshold and calibrated rules growth stops
+    at the first depth with no node above the threshold (engine.drafting.tree_growth), after built_depth + 1
+    forwards."""
+    if spec.verify_rule in ("threshold", "calibrated"):
         return min(depth_cap, built_depth + 1)
     return depth_cap
 

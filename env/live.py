@@ -110,6 +110,7 @@ class LiveEnv(gym.Env):
         cost: CostConf | dict | str | None = None,
         fit_trace: Any = None,
         calibration: Calibration | None = None,
+        acceptance: Any = None,
         batch_size: int = 1,
         eos: bool = True,
         models: tuple | None = None,
@@ -160,7 +161,12 @@ class LiveEnv(gym.Env):
         self.max_new_tokens = max_new_tokens
         self.target = target_model
         self.drafter = CaptureDrafter(drafter_obj)
-        self.engine = engine.Engine(target_model, drafter=self.drafter, round_cost=self._price, calibration=calibration)
+        if acceptance is None and any(rule == "calibrated" for rule, _ in grid.rules):
+            raise ValueError("the grid has the 'calibrated' verification rule: pass its acceptance model")
+        self.acceptance = acceptance  # engine.drafting.acceptance.AcceptanceModel of the "calibrated" rule
+        self.engine = engine.Engine(
+            target_model, drafter=self.drafter, round_cost=self._price, calibration=calibration, acceptance=acceptance
+        )
         self.eos_token_id = None
         if eos and target_model.tokenizer is not None:
             self.eos_token_id = target_model.tokenizer.token_to_id("<|endoftext|>")

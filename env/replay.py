@@ -30,6 +30,7 @@ cost_ar, distinct_experts (Σ_l U_l), utility, position, request.
 Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid
 or its fields; widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its
 fields), routing ("auto" | "recorded" | "synthetic"), calibration (confidence -> P(accepted)),
+acceptance (engine.drafting.acceptance.AcceptanceModel of the grid's "calibrated" verification rule),
 requests (indices to draw from), target_digest / drafter_digest (checked against the trace).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
 from engine.runtime.observation import OBS_DIM, History, observe_history
 from engine.runtime.stats import RoundStats
@@ -109,6 +111,7 @@ class ReplayEnv(gym.Env):
         cost: CostConf | dict | str | None = None,
         routing: str = "auto",
         calibration: Calibration | None = None,
+        acceptance: AcceptanceModel | None = None,
         requests: Sequence[int] | None = None,
         target_digest: str | None = None,
         drafter_digest: str | None = None,
@@ -141,13 +144,14 @@ class ReplayEnv(gym.Env):
         self.grid, self.action_kind = grid, action_kind
         self.cost_conf = cost_conf
         self.calibration = calibration
+        self.acceptance = acceptance
         self.observation_space = spaces.Box(0.0, 1.0, shape=(OBS_DIM,), dtype=np.float32)
         n_req = trace.num_requests
         self.requests = list(range(n_req)) if requests is None else [int(i) for i in requests]
         if not self.requests or any(not 0 <= i < n_req for i in self.requests):
             raise ValueError(f"requests must be indices in 0..{n_req - 1}, got {requests}")
         self.tables: ReplayTables = load_or_build_tables(
-            trace, grid, self.cost_model, self.routing, cost_conf.router_seed, cache
+            trace, grid, self.cost_model, self.routing, cost_conf.router_seed, cache, acceptance=acceptance
         )
         self._prepare_lookups()
         self.max_new_tokens = int(trace.meta["max_new_tokens"])
@@ -192,7 +196,14 @@ class ReplayEnv(gym.Env):
                 )
             req = self.request
             rp = self._replayers[p] = PositionReplayer(
-                self.trace, p, req, p - self._p0, self._routing, self.cost_model, self.routing == "recorded"
+                self.trace,
+                p,
+                req,
+                p - self._p0,
+                self._routing,
+                self.cost_model,
+                self.routing == "recorded",
+                self.acceptance,
             )
         if spec.lam > 0 and not self.trace.has_predictions:
             raise ValueError(f"λ = {spec.lam} > 0 needs predicted experts; this trace has none")

@@ -5,7 +5,8 @@ For position p (root = last committed token, t = its index in the request) and a
     grown     = tree(Kd, W), Kd = min(K, remaining - 1): the depth-Kd prefix of the recorded tree(Kmax, W)
                 in the drafter's node order (env.trace); s.verify_rule "threshold" keeps, as the drafter's
                 growth does (engine.drafting.tree_growth), the nodes of path probability >= the threshold
-                whose parent is kept, and the confidence per depth over those nodes
+                whose parent is kept, and the confidence per depth over those nodes; "calibrated" the same
+                with the calibrated path probability (engine.drafting.acceptance) of the recorded nodes
     verified  = engine.drafting.selection.select_verified(grown, s): the drafters' own selection (λ > 0
                 expert-aware with the recorded predictions, max_verify, goodput)
     accepted  = depth of the deepest verified node on the continuation's path (greedy / position-keyed
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from engine.cost.node_router import NodeRouter, child_key
+from engine.drafting.acceptance import AcceptanceModel
 from engine.drafting.selection import select_verified
 from engine.paths import cache_dir
 from engine.runtime.action_grid import ActionGrid
@@ -112,8 +114,11 @@ class PositionReplayer:
         routing: np.ndarray,
         cost: CostModel,
         keep_tokens_per_expert: bool,
+        acceptance: AcceptanceModel | None = None,
     ) -> None:
         self.trace, self.p, self.cost = trace, p, cost
+        self.request, self.acceptance = request, acceptance
+        self._calibrated: dict[str, np.ndarray] = {}  # acceptance digest -> calibrated path prob [N]
         sl = trace.nodes_of(p)
         self.par = trace.node_parent[sl].astype(np.int64)
         self.dep = trace.node_depth[sl].astype(np.int64)
@@ -168,8 +173,9 @@ class PositionReplayer:
             spec.max_verify,
             spec.score,
             spec.verify_rule,
-            spec.verify_threshold if spec.verify_rule == "threshold" else None,
+            spec.verify_threshold if spec.verify_rule in ("threshold", "calibrated") else None,
             spec.verify_costs if spec.verify_rule == "goodput" else None,
+            self._model(spec).digest if spec.verify_rule == "calibrated" else None,
         )
         hit = self._cache.get(key)
         if hit is not None:
@@ -180,11 +186,12 @@ class PositionReplayer:
             return res
         order = self._order(spec.width)
         grown = order[self.dep[order] <= kd]  # [n] the drafter's node order, root first
-        if spec.verify_rule == "threshold":  # the growth stops below the threshold (tree_growth.TreeGrowth.grow)
+        if spec.verify_rule in ("threshold", "calibrated"):  # growth stops below the threshold (TreeGrowth.grow)
+            score = self.pp if spec.verify_rule == "threshold" else self.calibrated(self._model(spec))
             kept = {0}
             keep = [0]
             for j in grown[1:]:
-                if self.pp[j] >= spec.verify_threshold and int(self.par[j]) in kept:
+                if score[j] >= spec.verify_threshold and int(self.par[j]) in kept:
                     kept.add(int(j))
                     keep.append(int(j))
             grown = np.asarray(keep, dtype=np.int64)
@@ -213,6 +220,22 @@ class PositionReplayer:
         res = (tuple(sorted(chosen.tokens.tolist())), tuple(confidence))
         self._cache[key] = res
         return res
+
+    def _model(self, spec: SpecConfig) -> AcceptanceModel:
+        model = spec.acceptance if spec.acceptance is not None else self.acceptance
+        if model is None:
+            raise ValueError("verify_rule 'calibrated' needs an acceptance model: ReplayEnv(..., acceptance=model)")
+        return model
+
+    def calibrated(self, model: AcceptanceModel) -> np.ndarray:
+        """[N] calibrated path probability of every union node (engine.drafting.acceptance, as TreeGrowth)."""
+        out = self._calibrated.get(model.digest)
+        if out is None:
+            sl = self.trace.nodes_of(self.p)
+            ctx = self.trace.prompt(self.request).tolist() + self.trace.continuation_of(self.request)[: self.t].tolist()
+            tok = self.trace.node_token[sl].tolist()
+            out = self._calibrated[model.digest] = np.asarray(model.tree(ctx, tok, self.par.tolist(), self.cp.tolist()))
+        return out
 
     def outcome(self, spec: SpecConfig) -> Outcome:
         V, confidence = self.verified(spec)
@@ -307,11 +330,11 @@ class ReplayTables:
             return cls(**{k: z[k] for k in cls.__dataclass_fields__})
 
 
-def replayers(trace: Trace, routing: np.ndarray, cost: CostModel, keep_tpe: bool):
+def replayers(trace: Trace, routing: np.ndarray, cost: CostModel, keep_tpe: bool, acceptance=None):
     """Yield (global position, PositionReplayer) over the whole trace."""
     for i in range(trace.num_requests):
         for t, p in enumerate(trace.positions_of(i)):
-            yield p, PositionReplayer(trace, p, i, t, routing, cost, keep_tpe)
+            yield p, PositionReplayer(trace, p, i, t, routing, cost, keep_tpe, acceptance)
 
 
 def build_tables(
@@ -321,8 +344,10 @@ def build_tables(
     routing: np.ndarray,
     keep_tpe: bool,
     on_position: Callable[[], None] | None = None,
+    acceptance: AcceptanceModel | None = None,
 ) -> ReplayTables:
-    """Precompute ReplayTables for every action of `grid` (module docstring)."""
+    """Precompute ReplayTables for every action of `grid` (module docstring); `acceptance`: the calibrated
+    rule's model (needed when the grid has that rule)."""
     codec = ActionCodec(grid)
     indices = [codec.unflat(a) for a in range(codec.num_actions)]
     specs = [grid.spec(idx) for idx in indices]
@@ -335,7 +360,7 @@ def build_tables(
     ar, context = np.zeros(P), np.zeros(P, dtype=np.int32)
     rows: list[Outcome] = []
     plain = None  # stateful cost (roofline-offload): the device cache plain decoding holds at this position
-    for p, rp in replayers(trace, routing, cost, keep_tpe):
+    for p, rp in replayers(trace, routing, cost, keep_tpe, acceptance):
         ar[p], context[p] = rp.ar, rp.context
         if cost.stateful and rp.t == 0:
             plain = cost.new_state()
@@ -416,7 +441,9 @@ def routing_for(trace: Trace, cost: CostModel, routing_mode: str, router_seed: i
     return ids
 
 
-def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: str, router_seed: int) -> str:
+def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: str, router_seed: int,
+               acceptance: AcceptanceModel | None = None) -> str:  # fmt: skip
+    calibrated = any(rule == "calibrated" for rule, _ in grid.rules)
     blob = [
         TABLES_VERSION,
         trace.digest,
@@ -426,6 +453,8 @@ def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: st
         routing_mode,
         router_seed,
     ]
+    if calibrated and acceptance is not None:  # grids without the rule keep their cached tables
+        blob.append(acceptance.digest)
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -437,16 +466,21 @@ def load_or_build_tables(
     router_seed: int = 0,
     cache: bool = True,
     on_position: Callable[[], None] | None = None,
+    acceptance: AcceptanceModel | None = None,
 ) -> ReplayTables:
     """Tables from the cache, else built (and cached when `cache`). routing_mode: "recorded" | "synthetic"."""
-    path = cache_dir() / "replay" / f"tables-{tables_key(trace, grid, cost, routing_mode, router_seed)}.npz"
+    if acceptance is None and any(rule == "calibrated" for rule, _ in grid.rules):
+        raise ValueError("the grid has the 'calibrated' verification rule: pass its acceptance model "
+                         "(env.calibration.fit_acceptance)")  # fmt: skip
+    key = tables_key(trace, grid, cost, routing_mode, router_seed, acceptance)
+    path = cache_dir() / "replay" / f"tables-{key}.npz"
     if cache and path.is_file():
         try:
             return ReplayTables.from_file(path)
         except (OSError, ValueError, KeyError):
             pass
     routing = routing_for(trace, cost, routing_mode, router_seed, cache)
-    tables = build_tables(trace, grid, cost, routing, routing_mode == "recorded", on_position)
+    tables = build_tables(trace, grid, cost, routing, routing_mode == "recorded", on_position, acceptance)
     if cache:
         atomic_write_bytes(path, tables.to_bytes())
     return tables

@@ -249,7 +249,7 @@ class EagleDrafter:
             drafted = drafts_iid(spec, params)
             # deterministic children are re-ranked after growth (EAGLE-2): grow the whole bounded pool
             grow_spec = spec if drafted else replace(spec, max_verify=None)
-            growth = TreeGrowth(tokens[-1], root_logits[j], grow_spec, params, generator, len(tokens))
+            growth = TreeGrowth(tokens[-1], root_logits[j], grow_spec, params, generator, len(tokens), tokens)
             rounds[i] = _Round(seq_id, spec, growth, {0: roots[i]})
         depth = 1
         while True:

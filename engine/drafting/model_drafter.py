@@ -162,6 +162,7 @@ class ModelDrafter:
                 params,
                 generator,
                 len(tokens),
+                tokens,
             )
             for (_, tokens, spec, params, generator), e, a in zip(requests, ends, aware)
         ]

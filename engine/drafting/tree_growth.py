@@ -10,6 +10,7 @@ Shape letters: N=nodes V=vocab F=frontier W=width.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES
@@ -21,6 +22,14 @@ from engine.spec.sampling import SamplingParams, process_logits, sample_from_pro
 
 def _node_budget(spec: SpecConfig) -> int:
     return min(spec.max_verify or MAX_TREE_NODES, MAX_TREE_NODES)
+
+
+def stored_cond(path_prob: float, parent_path_prob: float) -> float:
+    """The conditional probability a trace stores for a node (env.request_recorder): float32 path
+    probabilities divided in float64, rounded to float32. The calibrated rule reads this value, so the
+    engine and replay of a trace compare the very same number against the threshold."""
+    pp, parent = np.float64(np.float32(path_prob)), np.float64(np.float32(parent_path_prob))
+    return float(np.float32(pp / parent if parent > 0 else pp))
 
 
 def drafts_iid(spec: SpecConfig, params: SamplingParams) -> bool:
@@ -47,8 +56,13 @@ class TreeGrowth:
         params: SamplingParams,
         generator: torch.Generator,
         position: int | None = None,
+        context: list[int] | None = None,
     ) -> None:
         self.spec, self.generator = spec, generator
+        self.calibrated = spec.verify_rule == "calibrated" and spec.depth > 0
+        if self.calibrated and (spec.acceptance is None or context is None):
+            raise ValueError("verify_rule 'calibrated' needs spec.acceptance (an AcceptanceModel) and the context")
+        self.context = context  # committed tokens (root last): the calibrated rule's agreement feature
         self.drafted = drafts_iid(spec, params)
         self.q_params = params if not params.greedy else SamplingParams(temperature=1.0)
         self.noise = None  # [K, V] position mode: row d - 1 = public noise of the depth-d children
@@ -60,6 +74,7 @@ class TreeGrowth:
         self.budget = _node_budget(spec)
         self.frontier_cap = spec.frontier or spec.width
         self.tok, self.par, self.dep, self.path = [root_token], [-1], [0], [1.0]
+        self.cond, self.cal = [1.0], [1.0]  # per node: drafter's conditional prob, calibrated path prob
         self.qrows: list[torch.Tensor | None] = [None]
         self.confidence: list[float] = []
         self.frontier = [0]
@@ -99,17 +114,29 @@ class TreeGrowth:
             t = spec.verify_threshold
             # i.i.d. children may not be filtered by value (min(1, p/q) needs them all): all or nothing
             cand = ([] if max(c[0] for c in cand) < t else cand) if self.drafted else [c for c in cand if c[0] >= t]
+        cal = [1.0] * len(cand)
+        if self.calibrated and cand:  # stop at the first depth with no node above the threshold
+            model = spec.acceptance
+            cal = [
+                self.cal[f] * model.node(self.context + self._path(f), k, stored_cond(pp, self.path[f]), d)
+                for pp, f, k, _ in cand
+            ]
+            if max(cal) < spec.verify_threshold:
+                cand = []
         if not cand:
             self.done = True
             return None
-        self.confidence.append(max(c[3] for c in cand))
+        t = spec.verify_threshold
+        self.confidence.append(max(c[3] for c, q in zip(cand, cal) if not self.calibrated or q >= t))
         new_ids = []
-        for pp, f, k, _ in cand:
+        for (pp, f, k, cp), q in zip(cand, cal):
             new_ids.append(len(self.tok))
             self.tok.append(k)
             self.par.append(f)
             self.dep.append(d)
             self.path.append(pp)
+            self.cond.append(cp)
+            self.cal.append(q)
             self.qrows.append(None)
         if d >= spec.depth or len(self.tok) - 1 >= self.budget:
             self.done = True
@@ -117,12 +144,26 @@ class TreeGrowth:
         # which new nodes to expand next (drafted mode: the most probable ones)
         return sorted(new_ids, key=lambda i: -self.path[i])[: self.frontier_cap] if self.drafted else new_ids
 
+    def _path(self, node: int) -> list[int]:
+        """Tokens from depth 1 to `node` (inclusive)."""
+        out = []
+        while node > 0:
+            out.append(self.tok[node])
+            node = self.par[node]
+        return out[::-1]
+
     def tree(self, vocab_size: int) -> DraftTree:
+        keep = list(range(len(self.tok)))
+        if self.calibrated and not self.drafted:  # the calibrated rule verifies only nodes above its threshold
+            # (prefix-closed: a calibrated path probability never exceeds its parent's); i.i.d. children keep
+            # whole depths, as the threshold rule does
+            keep = [j for j, q in enumerate(self.cal) if j == 0 or q >= self.spec.verify_threshold]
+        new = {j: i for i, j in enumerate(keep)}
         tree = DraftTree(
-            tokens=torch.tensor(self.tok),
-            parents=torch.tensor(self.par),
-            depths=torch.tensor(self.dep),
-            path_prob=torch.tensor(self.path, dtype=torch.float32),
+            tokens=torch.tensor([self.tok[j] for j in keep]),
+            parents=torch.tensor([new[self.par[j]] if j else -1 for j in keep]),
+            depths=torch.tensor([self.dep[j] for j in keep]),
+            path_prob=torch.tensor([self.path[j] for j in keep], dtype=torch.float32),
             confidence=self.confidence,
         )
         if self.drafted:

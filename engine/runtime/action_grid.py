@@ -3,7 +3,9 @@
 An action index vector (k, w, l, v) -> SpecConfig(depth=depths[k], width=widths[w], lam=lams[l],
 verify rule rules[v]). The verification rules read this round's draft (EAGLE-2 2406.16858 / EVICT
 2605.00342 / DISCO 2405.04304): ("all", 0.0) verifies every drafted node, ("threshold", t) stops drafting
-below and verifies only nodes of path probability >= t. The grid is stored with every trace and frozen
+below and verifies only nodes of path probability >= t, ("calibrated", t) the same with the calibrated path
+probability of engine.drafting.acceptance (the acceptance model travels beside the grid: Engine(acceptance=),
+ReplayEnv(acceptance=), a frozen policy's card). The grid is stored with every trace and frozen
 policy, so all three agree on what an index means.
 """
 

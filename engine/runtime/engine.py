@@ -108,6 +108,7 @@ class Engine:
         calibration: Callable[[float, int], float] | None = None,
         expert_budget: int | None = None,
         cuda_graphs: bool = False,
+        acceptance: Any = None,
         **drafter_options: Any,
     ) -> None:
         if not isinstance(target, Model):
@@ -136,6 +137,7 @@ class Engine:
         self.offload = offload
         self.round_cost = round_cost  # fills RoundStats.cost / cost_ar (None: measured seconds, no T_AR)
         self.calibration = calibration  # draft confidence -> P(accepted), for the observation
+        self.acceptance = acceptance  # engine.drafting.acceptance.AcceptanceModel of the "calibrated" rule
         self.expert_budget = check_expert_budget(expert_budget, target.config.num_experts, target.config.top_r)
         self.default_sampling = GREEDY
         self.scratch_tokens = MAX_TREE_NODES + 1  # a draft tree's root + nodes live in scratch slots
@@ -205,6 +207,11 @@ class Engine:
         """Errors an action can only have against this engine (SpecConfig validated its own fields)."""
         if s.depth > 0 and self.drafter is None:
             raise ValueError("an action with depth K > 0 needs a drafter: Engine(target, drafter=...)")
+        if s.verify_rule == "calibrated" and s.acceptance is None and self.acceptance is None:
+            raise ValueError(
+                "verify_rule 'calibrated' needs an acceptance model (env.calibration.fit_acceptance): "
+                "Engine(..., acceptance=model) or SpecConfig(acceptance=model)"
+            )
         if s.lam > 0 and s.depth > 0 and not getattr(self.drafter, "predicts_experts", False):
             raise ValueError(
                 f"λ = {s.lam} > 0 needs a drafter with an expert predictor (it prices each node's marginal "
@@ -352,6 +359,8 @@ class Engine:
             remaining = r.max_new - len(r.new_tokens)
             if s.depth > 0 and self.drafter is not None and remaining > 1:
                 s = s if s.depth < remaining else _replace_depth(s, remaining - 1)  # never draft past the end
+                if s.verify_rule == "calibrated" and s.acceptance is None:
+                    s = replace(s, acceptance=self.acceptance)
                 drafting.append(len(trees))
             specs.append(s)
             trees.append(DraftTree.root_only(r.tokens[-1]))

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.calibration import IsotonicCalibration
 from engine.runtime.observation import KMAX, OBS_DIM, OBS_FIELDS, OBS_SIGNATURE, Observation
+from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
 
 FORMAT = "expertspec-policy-v1"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 MAX_DEPTH = 16
 MAX_WIDTH = 8
 SCORES = ("ecospec", "logp")
-VERIFY_RULES = ("all", "threshold", "goodput")
+VERIFY_RULES = ("all", "threshold", "calibrated", "goodput")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,11 @@ class SpecConfig:
       target sampling. None = True for chains (W = 1), False for trees.
     verify_rule: how this round's draft decides what is verified, after (K, W, λ) were chosen:
       "all" every selected node; "threshold" stop drafting below, and verify only, nodes whose draft path
-      probability is >= verify_threshold (EAGLE-2 2406.16858, DISCO-style stop 2405.04304); "goodput" verify
+      probability is >= verify_threshold (EAGLE-2 2406.16858, DISCO-style stop 2405.04304); "calibrated" grow
+      tree(K, W) as "all" does, stop at the first depth none of whose nodes has a calibrated path probability
+      >= verify_threshold, and verify only the nodes that have (`acceptance`, an
+      engine.drafting.acceptance.AcceptanceModel: Π P(accepted | depth, draft probability, agreement with the
+      prompt-lookup continuation); the Engine attaches its own when None); "goodput" verify
       the most probable prefix-closed set of m nodes maximising (1 + Σ path prob) / verify_costs[m]
       (EVICT 2605.00342), verify_costs[m] = T_verify(m + 1 tokens) / T_AR for m = 0..len-1.
     """
@@ -40,6 +45,7 @@ class SpecConfig:
     verify_rule: str = "all"
     verify_threshold: float = 0.0
     verify_costs: tuple[float, ...] | None = None
+    acceptance: Any = field(default=None, compare=False, repr=False)  # "calibrated": the AcceptanceModel
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, int) or not 0 <= self.depth <= MAX_DEPTH:

@@ -1,4 +1,5 @@
-"""Verification rules that read this round's draft: path-probability threshold and EVICT goodput cut."""
+"""Verification rules that read this round's draft: path-probability threshold, the calibrated rule (draft
+probability x agreement with the prompt-lookup continuation) and EVICT goodput cut."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 
 import engine
+from engine.drafting.acceptance import AGREE, DISAGREE, NONE, AcceptanceModel, agreement
 from engine.drafting.selection import goodput_keep
 from engine.paths import zoo_path
+from engine.spec.calibration import IsotonicCalibration
 from engine.workloads import code_prompts, encode
 
 
@@ -52,3 +55,61 @@ def test_goodput_rule_in_the_engine_is_exact_and_cuts(zoo):
     res = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=2, verify_rule="goodput", verify_costs=steep))
     assert [r.token_ids for r in res] == base
     assert max(s.proposed for r in res for s in r.rounds) < 12  # a 6 x 2 tree has up to 12 nodes
+
+
+# ---------------------------------------------------------------------------------------------- calibrated rule
+def _model(agree: float, disagree: float, none: float) -> AcceptanceModel:
+    """A hand-made acceptance model: a constant P per agreement state at every depth."""
+    const = lambda p: IsotonicCalibration(((0.0, 1.0),), ((p, p),))  # noqa: E731
+    return AcceptanceModel((const(none), const(agree), const(disagree)))
+
+
+def test_agreement_states():
+    ctx = [5, 6, 7, 9, 5, 6]  # "5 6" occurred before, followed by 7
+    assert agreement(ctx, 7) == AGREE
+    assert agreement(ctx, 8) == DISAGREE
+    assert agreement([1, 2, 3], 4) == NONE  # no suffix recurs
+
+
+def test_calibrated_path_probabilities_multiply_along_the_path():
+    m = _model(agree=0.9, disagree=0.1, none=0.5)
+    # context "1 2 3 1 2": n-gram says 3 next, then (after "... 2 3") says 1
+    out = m.tree([1, 2, 3, 1, 2], tokens=[2, 3, 1, 4], parents=[-1, 0, 1, 0], cond=[1.0, 0.5, 0.5, 0.5])
+    assert out == pytest.approx([1.0, 0.9, 0.81, 0.1])
+    assert AcceptanceModel.from_dict(m.to_dict()) == m
+    with pytest.raises(ValueError, match="not an acceptance model"):
+        AcceptanceModel.from_dict({"kind": "isotonic"})
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_calibrated_rule_prunes_and_stays_exact(zoo, width):
+    target, drafter, prompts = zoo
+    model = _model(agree=0.95, disagree=0.2, none=0.6)
+    eng = engine.Engine(target, drafter=drafter, acceptance=model)
+    base = [r.token_ids for r in eng.generate(prompts, 24)]
+    full = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width))
+    cut = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width, verify_rule="calibrated",
+                                                          verify_threshold=0.3))  # fmt: skip
+    assert [r.token_ids for r in cut] == base == [r.token_ids for r in full]
+    rounds_cut = [s for r in cut for s in r.rounds]
+    rounds_full = [s for r in full for s in r.rounds]
+    assert sum(s.proposed for s in rounds_cut) / len(rounds_cut) < sum(s.proposed for s in rounds_full) / len(
+        rounds_full
+    )
+    # 0.6 · 0.2 < 0.3: a node the n-gram contradicts never survives below an unconfirmed parent; two
+    # contradicted levels in a row never survive at all (0.2 · 0.2 < 0.3)
+    assert any(s.built_depth < s.depth for s in rounds_cut)
+    assert all(s.verify_rule == "calibrated" for s in rounds_cut)
+
+
+def test_calibrated_rule_needs_a_model(zoo):
+    target, drafter, prompts = zoo
+    eng = engine.Engine(target, drafter=drafter)
+    spec = engine.SpecConfig(depth=4, width=1, verify_rule="calibrated", verify_threshold=0.3)
+    with pytest.raises(ValueError, match="needs an acceptance model"):
+        eng.generate(prompts, 8, spec=spec)
+    # a model riding on the action is enough
+    model = _model(0.9, 0.1, 0.5)
+    spec = engine.SpecConfig(depth=4, width=1, verify_rule="calibrated", verify_threshold=0.3, acceptance=model)
+    res = eng.generate(prompts, 8, spec=spec)
+    assert [r.token_ids for r in res] == [r.token_ids for r in eng.generate(prompts, 8)]

@@ -60,9 +60,21 @@ def test_gymnasium_and_sb3_checkers(live_factory, kind):
     sb3_check_env(e, warn=True)
 
 
-def _static_policies(replay):
+@pytest.fixture(scope="module")
+def acceptance(greedy_trace):
+    from env.calibration import fit_acceptance
+
+    return fit_acceptance([(greedy_trace, list(range(greedy_trace.num_requests)))], min_samples=5)
+
+
+def _static_policies(replay, acceptance=None):
     costs = replay.cost_model.verify_costs(24)
-    return [
+    calibrated = [] if acceptance is None else [
+        (f"K8 W{w} calibrated {t}", SpecConfig(depth=8, width=w, verify_rule="calibrated", verify_threshold=t,
+                                               acceptance=acceptance))
+        for w, t in ((1, 0.3), (3, 0.2), (2, 0.6))
+    ]  # fmt: skip
+    return calibrated + [
         ("K4 W2 all", np.array([3, 1, 0, 0])),
         ("K8 W3 threshold 0.1", np.array([4, 2, 0, 1])),
         ("K1 W1", np.array([1, 0, 0, 0])),
@@ -73,7 +85,7 @@ def _static_policies(replay):
 
 @pytest.mark.parametrize("trace_name", ["greedy_trace", "sampled_trace"])
 @pytest.mark.parametrize("cost_name", list(COSTS))
-def test_replay_equals_live(request, live_factory, trace_name, cost_name):
+def test_replay_equals_live(request, live_factory, trace_name, cost_name, acceptance):
     trace = request.getfixturevalue(trace_name)
     cost = COSTS[cost_name]
     s = trace.meta["sampling"]
@@ -81,7 +93,7 @@ def test_replay_equals_live(request, live_factory, trace_name, cost_name):
     replay = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False)
     live = live_factory(cost=cost, sampling=sampling)
     assert live.prompts == [trace.prompt(i).tolist() for i in range(trace.num_requests)]
-    for name, action in _static_policies(replay):
+    for name, action in _static_policies(replay, acceptance):
         for req in range(trace.num_requests):
             o1, _ = replay.reset(options={"request": req})
             o2, _ = live.reset(options={"request": req})

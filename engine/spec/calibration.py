@@ -1,6 +1,6 @@
 """Calibrated draft confidence as plain data: (raw confidence, depth) -> P(accepted | parent accepted).
 
-The map lives here, beside the observation function, so the engine, a frozen policy and both environments
+The map is plain data below the runtime, so the engine, a frozen policy and both environments
 apply the same one; it is fitted on recorded traces by `env.calibration.fit_calibration` (isotonic per depth).
 """
 
