@@ -84,7 +84,14 @@ class GridConf:
     depths: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5, 6, 7, 8])
     widths: list[int] = field(default_factory=lambda: [1, 2, 3])
     lams: list[float] = field(default_factory=lambda: [0.0])
-    rules: list[list] = field(default_factory=lambda: [["all", 0.0], ["threshold", 0.1], ["threshold", 0.3]])
+    # ("threshold", t): the drafter's raw path probability; ("calibrated", t): the acceptance model fitted on the
+    # training prompts (engine.drafting.acceptance: draft probability × depth × n-gram agreement)
+    rules: list[list] = field(
+        default_factory=lambda: [
+            ["all", 0.0], ["threshold", 0.1], ["threshold", 0.3],
+            ["calibrated", 0.05], ["calibrated", 0.15], ["calibrated", 0.3],
+        ]
+    )  # fmt: skip
 
 
 @dataclass

@@ -123,10 +123,11 @@ def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
 
 
 def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None,
-               calibration: Any = None):  # fmt: skip
+               calibration: Any = None, acceptance: Any = None):  # fmt: skip
     from env.replay import ReplayEnv
 
-    return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration)
+    return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration,
+                     acceptance=acceptance)  # fmt: skip
 
 
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:
@@ -144,6 +145,14 @@ def calibrate(conf: MainConf, traces: dict[str, Any]) -> Any:
     from env.calibration import fit_calibration_many
 
     return fit_calibration_many([(traces[n], split(traces[n], conf)[0]) for n in sorted(traces)])
+
+
+def fit_acceptance_model(conf: MainConf, traces: dict[str, Any]) -> Any:
+    """The calibrated verification rule's AcceptanceModel over every workload's training requests
+    (env.calibration.fit_acceptance: draft probability × depth × agreement with the prompt-lookup continuation)."""
+    from env.calibration import fit_acceptance
+
+    return fit_acceptance([(traces[n], split(traces[n], conf)[0]) for n in sorted(traces)])
 
 
 # ---------------------------------------------------------------------------------------------- running policies
@@ -211,7 +220,15 @@ def profile(env: Any, requests: Sequence[int], grid: ActionGrid, static: np.ndar
     acc = summarize(acc_rounds).acceptance_by_depth
     acc = [0.0 if a != a else float(a) for a in acc] + [0.0] * (kmax - len(acc))
     best = grid.spec(_unflat(env, int(np.argmin(static))))  # static: static_costs(env, requests)
-    return {"verify_curve": curve, "itl": itl, "acceptance": acc[:kmax], "best_static_k": best.depth}
+    # DISCO / SpecDec++: a chain to Kmax stopped by the grid's stop rule (raw or calibrated acceptance estimate)
+    # and threshold that give the lowest cost on the training prompts
+    codec, chain = e.codec, grid.widths.index(1) if 1 in grid.widths else None
+    stop_rules = [(v, rule, t) for v, (rule, t) in enumerate(grid.rules) if rule in ("threshold", "calibrated")]
+    k_top = grid.depths.index(kmax)
+    stops = [(static[codec.flat((k_top, chain, 0, v))], rule, t) for v, rule, t in stop_rules if chain is not None]
+    disco = min(stops)[1:] if stops else ("threshold", 0.3)
+    return {"verify_curve": curve, "itl": itl, "acceptance": acc[:kmax], "best_static_k": best.depth,
+            "disco_rule": list(disco)}  # fmt: skip
 
 
 def _unflat(env, a: int):
@@ -239,7 +256,8 @@ POLICY_FACTORIES: dict[str, Callable[[dict, ActionGrid], Any]] = {
     "cascade": lambda p, g: make_policy("cascade", k_max=g.max_depth),
     "evict": lambda p, g: make_policy("goodput", cost_curve=p["verify_curve"]),
     "ucb": _ucb,
-    "disco": lambda p, g: make_policy("disco", depth=g.max_depth),
+    "disco": lambda p, g: make_policy("disco", depth=g.max_depth, rule=p["disco_rule"][0],
+                                      threshold=p["disco_rule"][1]),
     "sglang-adaptive": _sglang,
     "vllm-table": lambda p, g: make_policy("vllm-table", table=[[1, 1, p["best_static_k"]]],
                                            num_speculative_tokens=max(p["best_static_k"], 1)),
@@ -290,14 +308,16 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     grid = grid_of(conf)
     names = sorted(traces)
     calibration = calibrate(conf, traces)
+    acceptance = fit_acceptance_model(conf, traces)
 
     def make_env(rank: int):
         name = names[rank % len(names)]
         train_ids, _ = split(traces[name], conf)
-        return replay_env(traces[name], cost, grid, train_ids, calibration)
+        return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance)
 
     card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
-                     "train_requests": conf.workloads.train, "calibration": calibration.to_dict()}}  # fmt: skip
+                     "train_requests": conf.workloads.train, "calibration": calibration.to_dict(),
+                     "acceptance": acceptance.to_dict()}}  # fmt: skip
     algo = replace(conf.algo, name=learner or conf.algo.name)
     config = {**card, "cost": asdict(cost), "algo": asdict(algo)}
     result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
@@ -327,14 +347,16 @@ def evaluate(
     tick = on_policy or (lambda name: None)
     trained = cost.policies_from or cost.name  # the cost model the learned policies were trained under
     calibration = calibrate(conf, traces)
-    extras["calibration"] = {}
+    acceptance = fit_acceptance_model(conf, traces)
+    extras["calibration"], extras["acceptance"] = {}, {}
     for name in sorted(traces):
         trace = traces[name]
         train_ids, test_ids = split(trace, conf)
-        env = replay_env(trace, cost, grid, calibration=calibration)
-        from env.calibration import calibration_error
+        env = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance)
+        from env.calibration import acceptance_error, calibration_error
 
         extras["calibration"][name] = calibration_error(trace, calibration, test_ids)
+        extras["acceptance"][name] = acceptance_error(trace, acceptance, test_ids)
         plot: dict[str, Any] = {}
         runs: dict[str, list[list[Any]]] = {}
 
@@ -392,7 +414,7 @@ def evaluate(
                 extras["ablation"].setdefault(learner, {})[name] = ablation(env, train_ids, test_ids, fps, grid)
         if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
             rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
-                              next(iter(frozen.values()), [])[:1], env, calibration)  # fmt: skip
+                              next(iter(frozen.values()), [])[:1], env, calibration, acceptance)  # fmt: skip
         for pol_name, reqs in runs.items():
             if pol_name in (*frozen, "static-best-train", "cascade", "evict", "oracle", "target-only"):
                 plot[pol_name] = per_policy_plot_data(reqs)
@@ -430,7 +452,7 @@ _MODELS: dict[tuple, Any] = {}
 
 def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, grid: ActionGrid,
               requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any,
-              calibration: Any = None) -> list[dict]:  # fmt: skip
+              calibration: Any = None, acceptance: Any = None) -> list[dict]:  # fmt: skip
     """The same held-out requests on the live engine (expertspec/Live-v0): target-only, static-best-train and
     the first learned seed, each with `replay_committed_per_cost`, replay's figure on the same requests (equal
     under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says)."""
@@ -445,7 +467,8 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     env = LiveEnv(models=_MODELS[key], prompts=[trace.prompt(i) for i in requests],
                   max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
                   cost=env_cost(cost),
-                  fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration)  # fmt: skip
+                  fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration,
+                  acceptance=acceptance)  # fmt: skip
     local = list(range(len(requests)))
     out = []
     idx = tuple(static[f"{workload}/static-best-train"])

@@ -12,7 +12,7 @@ ucb               UCBPolicy              BanditSpec, arXiv 2505.15141 (UCB1 over
 sglang-adaptive   SGLangAdaptivePolicy   sglang srt/speculative/adaptive_spec_params.py
 vllm-table        VLLMTablePolicy        vllm v1/spec_decode/dynamic/utils.py
 vllm-goodput      VLLMGoodputPolicy      vllm v1/spec_decode/dynamic/manager.py
-disco             ConfidencePolicy       DISCO 2405.04304 / SpecDec++ 2405.19715 (verify_rule="threshold")
+disco             ConfidencePolicy       DISCO 2405.04304 / SpecDec++ 2405.19715 (threshold | calibrated rule)
 """
 
 from __future__ import annotations

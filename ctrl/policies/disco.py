@@ -3,11 +3,13 @@
 Both papers draft until a predicted acceptance probability says the next token is not worth proposing:
 DISCO with a classifier over draft features and a tuned threshold, SpecDec++ stopping once the predicted
 probability that at least one drafted token is rejected exceeds h, i.e. once Π_i p_accept(i) < 1 - h.
-Here the engine applies the stop inside the round (`verify_rule="threshold"`): drafting stops below, and
-only nodes are verified whose draft path probability is >= `threshold` (EAGLE-2 2406.16858 style). With
-the path probability as the acceptance estimate this is SpecDec++'s rule with h = 1 - threshold; a learned
-acceptance head (SpecDec++) or classifier (DISCO) is replaced by the drafter's own probabilities (or the
-engine's calibration). K is only a cap (default KMAX) and W the tree width (default 1, a chain as in both papers).
+Here the engine applies the stop inside the round: drafting stops below, and only nodes are verified whose
+estimated path acceptance is >= `threshold` (EAGLE-2 2406.16858 style). The estimate is the drafter's own path
+probability (`rule="threshold"`; SpecDec++'s rule with h = 1 - threshold) or, in place of DISCO's classifier
+over draft features, the engine's calibrated acceptance model (`rule="calibrated"`: draft probability × depth ×
+agreement with the prompt-lookup continuation, engine.drafting.acceptance). The evaluation tunes the rule and
+threshold on the training prompts. K is only a cap (default KMAX) and W the tree width (default 1, a chain as
+in both papers).
 
 Optional adaptation (`adapt=True`; our addition, in neither paper): a stochastic-approximation step moves
 the threshold so that the share of rounds whose whole drafted path is accepted approaches
@@ -44,7 +46,11 @@ class ConfidencePolicy:
         min_threshold: float = 0.01,
         max_threshold: float = 0.99,
         keep_across_requests: bool = False,
+        rule: str = "threshold",
     ) -> None:
+        if rule not in ("threshold", "calibrated"):
+            raise ValueError(f"disco: rule must be 'threshold' or 'calibrated', got {rule!r}")
+        self.rule = rule
         self.depth = check_int("depth K", depth, 1, KMAX)
         self.width = check_width(width)
         self.lam = check_lam(lam)
@@ -77,5 +83,5 @@ class ConfidencePolicy:
             self.threshold = min(max(t, self.min_threshold), self.max_threshold)
         self._pending = True
         return make_spec(
-            self.depth, self.width, self.lam, verify_rule="threshold", verify_threshold=float(self.threshold)
+            self.depth, self.width, self.lam, verify_rule=self.rule, verify_threshold=float(self.threshold)
         )

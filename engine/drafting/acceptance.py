@@ -24,6 +24,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from engine.drafting.ngram import suffix_continuations
@@ -84,7 +85,7 @@ class AcceptanceModel:
         maps = tuple(IsotonicCalibration.from_dict(d["states"][name]) for name in STATES)
         return cls(maps, int(d.get("max_ngram", MAX_NGRAM)))  # type: ignore[arg-type]
 
-    @property
+    @cached_property
     def digest(self) -> str:
         """16 hex digits naming this model (replay tables built with it are cached under it)."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

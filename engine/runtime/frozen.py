@@ -5,7 +5,7 @@ A frozen policy folder (written by `ctrl.freeze.freeze`) holds
     policy.pt     TorchScript module: observation vector [B, OBS_DIM] -> action logits [B, sum(nvec)]
                   (observation normalisation folded in)
     policy.json   {"format": "expertspec-policy-v1", "obs_signature": OBS_SIGNATURE, "action_grid": {...},
-                   "nvec": [...], "calibration": {isotonic knots} | null, "algo": ..., ...}
+                   "nvec": [...], "calibration": {isotonic knots} | null, "acceptance": {...} | null, "algo": ..., ...}
 
 `load_frozen_policy(path)` returns a plain callable `obs -> SpecConfig` (deterministic: argmax per action
 dimension) that the engine takes as `policy=`; it refuses a policy made for another observation layout.
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
 from engine.runtime.observation import KMAX, OBS_DIM, OBS_FIELDS, OBS_SIGNATURE, Observation
 from engine.spec.calibration import IsotonicCalibration
@@ -42,6 +44,11 @@ class FrozenPolicy:
         self.name = card.get("name", "learned")
         cal = card.get("calibration")
         self.calibration = IsotonicCalibration.from_dict(cal) if cal else None
+        acc = card.get("acceptance")
+        self.acceptance = AcceptanceModel.from_dict(acc) if acc else None  # the "calibrated" rule's model
+        if self.acceptance is None and any(rule == "calibrated" for rule, _ in self.grid.rules):
+            raise ValueError("frozen policy: its action grid has the 'calibrated' rule but the card stores no "
+                             "acceptance model (retrain it with `python -m ctrl.train`)")  # fmt: skip
         ends = np.cumsum(self.nvec)
         self._slices = [(int(e - n), int(e)) for n, e in zip(self.nvec, ends)]
         self._specs: dict[tuple[int, ...], SpecConfig] = {}
@@ -81,7 +88,10 @@ class FrozenPolicy:
         idx = self.act_index(v)
         spec = self._specs.get(idx)
         if spec is None:
-            spec = self._specs[idx] = self.grid.spec(idx)
+            spec = self.grid.spec(idx)
+            if spec.verify_rule == "calibrated":  # the model the policy was trained with rides on the action
+                spec = replace(spec, acceptance=self.acceptance)
+            self._specs[idx] = spec
         return spec
 
     __call__ = act

@@ -15,7 +15,7 @@ import pytest
 import engine
 from ctrl.agent import train_policy
 from ctrl.config import AlgoConf, MainConf, WandbConf
-from ctrl.pipeline import check_conf, grid_of, replay_env, split
+from ctrl.pipeline import check_conf, fit_acceptance_model, grid_of, replay_env, split
 from engine.paths import zoo_path
 from engine.runtime.frozen import load_frozen_policy
 from engine.runtime.observation import OBS_DIM
@@ -124,9 +124,11 @@ def trained(tmp_path_factory, smoke_run):
     train_ids, _ = split(trace, conf)
     algo = AlgoConf(total_timesteps=256, n_envs=1, n_steps=64, batch_size=64, n_epochs=1)
     out = tmp_path_factory.mktemp("policy")
-    path, _ = train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids), grid, algo, 0, out,
-                           WandbConf(mode="disabled"))  # fmt: skip
-    yield conf, trace, grid, path
+    acceptance = fit_acceptance_model(conf, {"code": trace})
+    card = {"card": {"acceptance": acceptance.to_dict()}}  # the grid has the calibrated rule: its model rides along
+    path, _ = train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance), grid,
+                           algo, 0, out, WandbConf(mode="disabled"), card)  # fmt: skip
+    yield conf, trace, grid, path, acceptance
     if old is None:
         os.environ.pop("EXPERTSPEC_CACHE", None)
     else:
@@ -134,16 +136,18 @@ def trained(tmp_path_factory, smoke_run):
 
 
 def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
-    conf, trace, grid, path = trained
+    conf, trace, grid, path, acceptance = trained
     policy = load_frozen_policy(path)
-    env = replay_env(trace, conf.costs[0], grid)
+    env = replay_env(trace, conf.costs[0], grid, acceptance=acceptance)
     e = env.unwrapped
     vec, _ = e.reset(options={"request": 0})
     done = False
     while not done:  # the env's observation vector and the Observation object give the same decision
         obs = e.observation()
         assert np.array_equal(obs.vector(), vec)
-        assert grid.spec(policy.act_index(vec)) == policy.act(obs)
+        spec = policy.act(obs)
+        assert grid.spec(policy.act_index(vec)) == spec
+        assert (spec.acceptance == acceptance) if spec.verify_rule == "calibrated" else spec.acceptance is None
         vec, _, term, trunc, _ = e.step(e.codec.encode(policy.act_index(vec)))
         done = term or trunc
     import torch
@@ -158,7 +162,7 @@ def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
 
 
 def test_deployed_policy_is_exact_in_the_engine(trained):
-    _, _, _, path = trained
+    _, _, _, path, _ = trained
     target = engine.load_model(zoo_path("tiny-moe"))
     from engine.workloads import code_prompts, encode
 
@@ -174,7 +178,7 @@ def test_deployed_policy_is_exact_in_the_engine(trained):
 def test_policy_from_another_observation_layout_is_refused(trained, tmp_path):
     import shutil
 
-    _, _, _, path = trained
+    _, _, _, path, _ = trained
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
     card = json.loads((bad / "policy.json").read_text())
@@ -182,17 +186,22 @@ def test_policy_from_another_observation_layout_is_refused(trained, tmp_path):
     (bad / "policy.json").write_text(json.dumps(card))
     with pytest.raises(ValueError, match="observation layout"):
         load_frozen_policy(bad)
+    card["obs_signature"] = json.loads((path / "policy.json").read_text())["obs_signature"]
+    card.pop("acceptance")  # a calibrated-rule grid without its acceptance model
+    (bad / "policy.json").write_text(json.dumps(card))
+    with pytest.raises(ValueError, match="stores no acceptance model"):
+        load_frozen_policy(bad)
     with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):
         load_frozen_policy(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("mode", ["offline", "disabled"])
 def test_wandb_modes(trained, tmp_path, mode):
-    conf, trace, grid, _ = trained
+    conf, trace, grid, _, acceptance = trained
     train_ids, _ = split(trace, conf)
     algo = AlgoConf(total_timesteps=128, n_envs=1, n_steps=64, batch_size=64, n_epochs=1)
-    train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids), grid, algo, 0, tmp_path,
-                 WandbConf(mode=mode))  # fmt: skip
+    train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance), grid, algo, 0,
+                 tmp_path, WandbConf(mode=mode), {"card": {"acceptance": acceptance.to_dict()}})  # fmt: skip
     runs = list((tmp_path / "wandb").glob("offline-run-*")) if (tmp_path / "wandb").exists() else []
     if mode == "offline":
         assert runs, "an offline W&B run directory is written"
