@@ -182,6 +182,19 @@ def report_extras(extras: dict) -> str:
         for wl, c in cal.items():
             lines.append(f"| {wl} | {c['samples']} | {c['accept_rate']:.2f} | {c['ece_raw']:.3f} | "
                          f"{c['ece_calibrated']:.3f} |")  # fmt: skip
+    acc = next(iter(extras.values()), {}).get("acceptance", {})
+    if acc:
+        lines += ["", "## Node acceptance model of the calibrated rule (fitted on the training prompts)", "",
+                  "P(node accepted | parent accepted) from the draft probability, the depth and agreement with the "
+                  "prompt-lookup continuation (engine.drafting.acceptance); held-out nodes whose parent was accepted.",
+                  "", "| workload | samples | Brier raw → model | ECE raw → model | share agree / disagree / none | "
+                  "acceptance agree / disagree / none |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for wl, c in acc.items():
+            lines.append(
+                f"| {wl} | {c['samples']} | {c['brier_raw']:.3f} → {c['brier_model']:.3f} | {c['ece_raw']:.3f} → "
+                f"{c['ece_model']:.3f} | {c['share_agree']:.2f} / {c['share_disagree']:.2f} / {c['share_none']:.2f} | "
+                f"{c['accept_agree']:.2f} / {c['accept_disagree']:.2f} / {c['accept_none']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -113,7 +113,8 @@ def train_policy(
         from ctrl.aggrevate import aggrevate
 
         regrets = aggrevate(model.policy, raw, [e.unwrapped.requests for e in raw], iterations=algo.iterations,
-                            epochs=algo.epochs, lr=algo.imitation_lr, seed=seed, progress=progress)  # fmt: skip
+                            epochs=algo.epochs, lr=algo.imitation_lr, seed=seed, progress=progress,
+                            expert=algo.expert)  # fmt: skip
         if run is not None:
             for i, r in enumerate(regrets):
                 run.log({"losses/aggrevate_regret": r, "charts/iteration": i})

@@ -13,6 +13,16 @@ imitation of an expert that sees the future, by a policy that sees only the obse
 the SB3 actor itself (the MultiDiscrete K × W × λ × rule heads; π(a) is the product of the four heads'
 probabilities), so freezing and a later PPO fine-tune work unchanged.
 
+`expert="static"` replaces the oracle by the best static grid action a_s of the env's training requests
+(one step of policy iteration over it, conservative where the oracle is optimistic):
+
+    V_s(t)    = R(t, a_s) − T_spec(t, a_s)/T_AR(t) + V_s(t + R(t, a_s))
+    Q_s(t, a) = R(t, a) − T_spec(t, a)/T_AR(t) + V_s(t + R(t, a))
+
+and rolls in with a_s. Q* assumes the future is played perfectly, so the actor fitted to it drafts as if the
+next rounds will be fully accepted; Q_s prices every action against what the best fixed action would then
+do, so a policy with zero regret against it is at least as good as a_s on its states (policy improvement).
+
 Shape letters: B=states A=grid actions (flat, env.actions.ActionCodec order) T=positions.
 """
 
@@ -38,6 +48,30 @@ def oracle_q(env: Any, request: int) -> np.ndarray:
     return reward + p.value[np.minimum(np.arange(T)[:, None] + committed, T)]
 
 
+def static_q(env: Any, request: int, action: int) -> np.ndarray:
+    """Q_s(t, a) [T, A]: every action at t, then the static flat action `action` to the end of `request`."""
+    e = env.unwrapped
+    pos = e.trace.positions_of(request)
+    p0, T = pos.start, len(pos)
+    committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
+    reward = committed - e.tables.cost[p0 : p0 + T] / e.tables.ar[p0 : p0 + T, None]
+    value = np.zeros(T + 1)
+    for t in range(T - 1, -1, -1):
+        value[t] = reward[t, action] + value[min(t + int(committed[t, action]), T)]
+    return reward + value[np.minimum(np.arange(T)[:, None] + committed, T)]
+
+
+def best_static_action(env: Any, requests: Sequence[int]) -> int:
+    """The flat grid action of least total cost over `requests` used statically (env.oracle.static_returns)."""
+    from env.oracle import static_returns
+
+    total = sum(static_returns(env, int(i))[1] for i in requests)
+    return int(np.argmin(total))
+
+
+EXPERTS = ("oracle", "static")
+
+
 def joint_log_prob(policy: Any, obs: torch.Tensor, nvec: Sequence[int]) -> torch.Tensor:
     """log π(a | obs) [B, A] over every flat action a from the SB3 MultiCategorical heads."""
     dist = policy.get_distribution(obs)
@@ -49,13 +83,14 @@ def joint_log_prob(policy: Any, obs: torch.Tensor, nvec: Sequence[int]) -> torch
 
 
 def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any, beta: float,
-            rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
-    """States visited by the β-mixture of oracle and policy, with their Q* rows."""
+            rng: np.random.Generator, expert: str = "oracle") -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
+    """States visited by the β-mixture of the expert and the policy, with the expert's Q rows."""
     obs_out, q_out = [], []
     for env, reqs in zip(envs, requests):
         e = env.unwrapped
+        a_s = best_static_action(e, reqs) if expert == "static" else None
         for i in reqs:
-            q = oracle_q(e, i)
+            q = oracle_q(e, i) if a_s is None else static_q(e, i, a_s)
             vec, _ = e.reset(options={"request": int(i)})
             done = False
             while not done:
@@ -63,7 +98,7 @@ def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any,
                 obs_out.append(vec.copy())
                 q_out.append(q[t])
                 if rng.random() < beta:
-                    a = int(np.argmax(q[t]))
+                    a = int(np.argmax(q[t])) if a_s is None else a_s
                 else:
                     with torch.no_grad():
                         lp = joint_log_prob(policy, torch.as_tensor(vec).unsqueeze(0), e.codec.nvec)
@@ -84,8 +119,11 @@ def aggrevate(
     beta: float = 0.5,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    expert: str = "oracle",
 ) -> list[float]:
     """Fit `policy` (an SB3 ActorCriticPolicy) in place; returns the mean regret after each iteration."""
+    if expert not in EXPERTS:
+        raise ValueError(f"aggrevate expert must be one of {EXPERTS}, got {expert!r}")
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     nvec = envs[0].unwrapped.codec.nvec
@@ -94,7 +132,7 @@ def aggrevate(
     data_q: list[np.ndarray] = []
     history = []
     for it in range(iterations):
-        o, q = collect(envs, requests, policy, beta**it, rng)
+        o, q = collect(envs, requests, policy, beta**it, rng, expert)
         data_obs += o
         data_q += q
         X = torch.as_tensor(np.stack(data_obs), dtype=torch.float32)

@@ -18,7 +18,10 @@ BUILTIN_WORKLOADS = ["code", "prose", "chat", "math"]
 class AlgoConf:
     # ppo | aggrevate (cost-sensitive imitation of the hindsight oracle, ctrl/aggrevate.py) | aggrevate+ppo
     name: str = "ppo"
-    iterations: int = 6  # AggreVaTe: data-aggregation rounds (oracle share β^i)
+    iterations: int = 6  # AggreVaTe: data-aggregation rounds (expert share β^i)
+    # AggreVaTe's cost-to-go: oracle (the hindsight DP, optimistic) | static (the best static action of the
+    # training prompts: one policy-improvement step over it)
+    expert: str = "static"
     epochs: int = 30  # AggreVaTe: passes over the aggregated states per round
     imitation_lr: float = 3e-3
     total_timesteps: int = 30_000

@@ -74,6 +74,14 @@ def check_conf(conf: MainConf) -> None:
                          f"(kmax {conf.models.kmax}, widths {conf.models.widths})")  # fmt: skip
     if not conf.seeds:
         raise ValueError("seeds must name at least one training seed")
+    from ctrl.agent import ALGOS
+    from ctrl.aggrevate import EXPERTS
+
+    for learner in conf.learners:
+        if learner not in ALGOS:
+            raise ValueError(f"unknown learner {learner!r}; choose from {ALGOS}")
+    if conf.algo.expert not in EXPERTS:
+        raise ValueError(f"algo.expert must be one of {EXPERTS}, got {conf.algo.expert!r}")
     for name in conf.policies:
         if name not in POLICY_FACTORIES:
             raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICY_FACTORIES)}")
@@ -219,7 +227,10 @@ def profile(env: Any, requests: Sequence[int], grid: ActionGrid, static: np.ndar
             itl[k] = itl[k - 1]
     acc = summarize(acc_rounds).acceptance_by_depth
     acc = [0.0 if a != a else float(a) for a in acc] + [0.0] * (kmax - len(acc))
-    best = grid.spec(_unflat(env, int(np.argmin(static))))  # static: static_costs(env, requests)
+    # vLLM's batch-size table holds one K per batch size for chains with every draft verified: the best such K
+    chain_all = [a for a in range(len(static)) if (s := grid.spec(_unflat(env, a))).width == 1
+                 and s.verify_rule == "all" and s.lam == 0]  # fmt: skip
+    best = grid.spec(_unflat(env, min(chain_all or range(len(static)), key=lambda a: static[a])))
     # DISCO / SpecDec++: a chain to Kmax stopped by the grid's stop rule (raw or calibrated acceptance estimate)
     # and threshold that give the lowest cost on the training prompts
     codec, chain = e.codec, grid.widths.index(1) if 1 in grid.widths else None

@@ -265,3 +265,22 @@ def test_train_and_evaluate_entry_points(smoke_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((ev / "results.json").read_text())
     assert {"learned", "learned-seed0", "oracle"} <= {r["policy"] for r in rows}
+
+
+def test_aggrevate_static_expert_q(trained):
+    """Q_s(t, a_s) is a_s's own return-to-go, so following a_s has zero regret against Q_s, and the best Q_s
+    action at t = 0 is never worse than a_s (one policy-improvement step)."""
+    from ctrl.aggrevate import best_static_action, oracle_q, static_q
+    from env.oracle import static_returns
+
+    conf, trace, grid, _, acceptance = trained
+    train_ids, _ = split(trace, conf)
+    env = replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance)
+    a_s = best_static_action(env, train_ids)
+    totals = sum(static_returns(env, i)[1] for i in train_ids)
+    assert totals[a_s] == totals.min()
+    for i in train_ids:
+        q, q_star = static_q(env, i, a_s), oracle_q(env, i)
+        ret, _ = static_returns(env, i)
+        assert q[0, a_s] == pytest.approx(ret[a_s])  # episode return of a_s from the first position
+        assert q[0].max() >= q[0, a_s] and np.all(q_star >= q - 1e-9)  # the oracle's future is the best one
