@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.drafting.acceptance import AGREE, DISAGREE, MAX_NGRAM, NONE, STATES, AcceptanceModel, agreement
+from engine.drafting.acceptance import AGREE, DISAGREE, MAX_NGRAM, NONE, STATES, AcceptanceModel, agreement_state
+from engine.drafting.suffix import SuffixIndex
 from engine.spec.calibration import IsotonicCalibration
 from env.trace import Trace
 
@@ -134,7 +135,7 @@ def node_samples(trace: Trace, requests: list[int], max_ngram: int = MAX_NGRAM) 
             sl = trace.nodes_of(p)
             tok, par = trace.node_token[sl].tolist(), trace.node_parent[sl].tolist()
             dep, cp = trace.node_depth[sl].tolist(), trace.node_cond_prob[sl].tolist()
-            ctx = prompt + cont[:t]
+            index = SuffixIndex(prompt + cont[:t])
             paths: list[list[int] | None] = [[]]  # path tokens of on-path nodes (None: off the path)
             for j in range(1, len(tok)):
                 base = paths[par[j]]
@@ -143,7 +144,7 @@ def node_samples(trace: Trace, requests: list[int], max_ngram: int = MAX_NGRAM) 
                     paths.append(None)
                     continue
                 ok = tok[j] == cont[t + d - 1]
-                state.append(agreement(ctx + base, tok[j], max_ngram))
+                state.append(agreement_state(index.next_token(base, max_ngram), tok[j]))
                 depth.append(d)
                 cond.append(cp[j])
                 label.append(float(ok))

@@ -2,7 +2,7 @@
 
 A node's estimate depends on three draft-time features: its depth d, the drafter's conditional probability
 of it (`cond` = path_prob / parent's path_prob; the coupled score in position mode) and whether a second,
-free drafter agrees with it: the prompt-lookup continuation (engine.drafting.ngram.suffix_continuations)
+free drafter agrees with it: the prompt-lookup continuation (engine.drafting.suffix.suffix_continuations)
 of the committed tokens followed by the node's path. Agreement of two drafters is a strong acceptance
 signal where the drafter's own probability is flat: on the zoo pair a depth-1 EAGLE draft that the
 n-gram continuation confirms is accepted about four times as often as one it contradicts.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from engine.drafting.ngram import suffix_continuations
+from engine.drafting.suffix import SuffixIndex
 from engine.spec.calibration import IsotonicCalibration
 
 NONE, AGREE, DISAGREE = 0, 1, 2
@@ -35,13 +35,17 @@ STATES = ("none", "agree", "disagree")
 MAX_NGRAM = 4  # the n-gram drafter's default
 
 
-def agreement(context: Sequence[int], token: int, max_ngram: int = MAX_NGRAM) -> int:
-    """NONE / AGREE / DISAGREE of the prompt-lookup next token of `context` (committed tokens + the node's
-    path to its parent) with `token`."""
-    conts = suffix_continuations(list(context), 1, 1, max_ngram, 1)
-    if not conts:
+def agreement_state(predicted: int | None, token: int) -> int:
+    """NONE / AGREE / DISAGREE of the prompt-lookup prediction `predicted` (None: no match) with `token`."""
+    if predicted is None:
         return NONE
-    return AGREE if conts[0][0] == int(token) else DISAGREE
+    return AGREE if predicted == int(token) else DISAGREE
+
+
+def agreement(context: Sequence[int], token: int, max_ngram: int = MAX_NGRAM) -> int:
+    """agreement_state of the prompt-lookup next token of `context` (committed tokens + the node's path to its
+    parent; engine.drafting.suffix.suffix_continuations) with `token`."""
+    return agreement_state(SuffixIndex(list(context)).next_token([], max_ngram), token)
 
 
 @dataclass(frozen=True)
@@ -54,16 +58,17 @@ class AcceptanceModel:
     def __call__(self, cond: float, depth: int, state: int) -> float:
         return self.maps[state](cond, depth)
 
-    def node(self, context: Sequence[int], token: int, cond: float, depth: int) -> float:
-        """P(accepted | parent accepted) of a node whose parent's path ends `context`."""
-        return self(cond, depth, agreement(context, token, self.max_ngram))
+    def node(self, index: SuffixIndex, path: list[int], token: int, cond: float, depth: int) -> float:
+        """P(accepted | parent accepted) of a node below `path` (its parent's tokens from depth 1) over the
+        committed tokens of `index` (SuffixIndex(committed tokens), built once per round)."""
+        return self(cond, depth, agreement_state(index.next_token(path, self.max_ngram), token))
 
     def tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int], cond: Sequence[float]
     ) -> list[float]:
         """Calibrated path probabilities [N] of a tree in node order (parents first; node 0 = root, whose last
         token is context[-1]): Π over the path of `node`. `cond` [N] conditional draft probabilities."""
-        ctx = list(context)
+        index = SuffixIndex(list(context))
         paths: list[list[int]] = [[]]
         out = [1.0]
         depth = [0]
@@ -71,7 +76,7 @@ class AcceptanceModel:
             p = int(parents[j])
             paths.append(paths[p] + [int(tokens[j])])
             depth.append(depth[p] + 1)
-            out.append(out[p] * self.node(ctx + paths[p], int(tokens[j]), float(cond[j]), depth[j]))
+            out.append(out[p] * self.node(index, paths[p], int(tokens[j]), float(cond[j]), depth[j]))
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,34 +7,11 @@ import time
 import torch
 
 from engine.drafting.protocol import DraftRequest
+from engine.drafting.suffix import suffix_continuations
 from engine.drafting.tree_growth import _node_budget
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
-
-
-def suffix_continuations(
-    tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1
-) -> list[list[int]]:
-    """Up to `width` continuations (at most `depth` tokens) with distinct first tokens of the longest suffix
-    of `tokens` (n = max_ngram .. min_ngram) that occurred earlier; per first token the longest continuation
-    (most recent on ties). [] when no suffix of length >= min_ngram recurs."""
-    T = len(tokens)
-    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
-        suffix = tokens[T - n :]
-        best: dict[int, list[int]] = {}
-        for start in range(T - n - 1, -1, -1):  # most recent earlier match first
-            if tokens[start : start + n] == suffix:
-                cont = tokens[start + n : start + n + depth]
-                if cont and len(cont) > len(best.get(cont[0], [])):
-                    if cont[0] not in best and len(best) == width:
-                        continue
-                    best[cont[0]] = cont
-                    if len(best) == width and min(map(len, best.values())) >= depth:
-                        break  # nothing later can replace a full-length continuation
-        if best:
-            return list(best.values())
-    return []
 
 
 class NGramDrafter:

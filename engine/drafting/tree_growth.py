@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES
+from engine.drafting.suffix import SuffixIndex
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.gumbel import coupled_probs, gumbel_top_w, position_gumbel_many
@@ -63,6 +64,7 @@ class TreeGrowth:
         if self.calibrated and (spec.acceptance is None or context is None):
             raise ValueError("verify_rule 'calibrated' needs spec.acceptance (an AcceptanceModel) and the context")
         self.context = context  # committed tokens (root last): the calibrated rule's agreement feature
+        self._index: SuffixIndex | None = None
         self.drafted = drafts_iid(spec, params)
         self.q_params = params if not params.greedy else SamplingParams(temperature=1.0)
         self.noise = None  # [K, V] position mode: row d - 1 = public noise of the depth-d children
@@ -117,8 +119,10 @@ class TreeGrowth:
         cal = [1.0] * len(cand)
         if self.calibrated and cand:  # stop at the first depth with no node above the threshold
             model = spec.acceptance
+            if self._index is None:
+                self._index = SuffixIndex(self.context)
             cal = [
-                self.cal[f] * model.node(self.context + self._path(f), k, stored_cond(pp, self.path[f]), d)
+                self.cal[f] * model.node(self._index, self._path(f), k, stored_cond(pp, self.path[f]), d)
                 for pp, f, k, _ in cand
             ]
             if max(cal) < spec.verify_threshold:

@@ -1,0 +1,70 @@
+"""Suffix matching over token sequences: what the prompt-lookup (n-gram) drafter proposes, and a per-context
+index that answers the same question quickly for many short extensions (the calibrated verification rule
+asks it for every drafted node, engine.drafting.acceptance)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+
+def suffix_continuations(
+    tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1
+) -> list[list[int]]:
+    """Up to `width` continuations (at most `depth` tokens) with distinct first tokens of the longest suffix
+    of `tokens` (n = max_ngram .. min_ngram) that occurred earlier; per first token the longest continuation
+    (most recent on ties). [] when no suffix of length >= min_ngram recurs."""
+    T = len(tokens)
+    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
+        suffix = tokens[T - n :]
+        best: dict[int, list[int]] = {}
+        for start in range(T - n - 1, -1, -1):  # most recent earlier match first
+            if tokens[start : start + n] == suffix:
+                cont = tokens[start + n : start + n + depth]
+                if cont and len(cont) > len(best.get(cont[0], [])):
+                    if cont[0] not in best and len(best) == width:
+                        continue
+                    best[cont[0]] = cont
+                    if len(best) == width and min(map(len, best.values())) >= depth:
+                        break  # nothing later can replace a full-length continuation
+        if best:
+            return list(best.values())
+    return []
+
+
+class SuffixIndex:
+    """`suffix_continuations(context + path, 1, 1, max_ngram)` for many short `path`s over one `context`.
+
+    Built once per context (token -> its positions), a query walks back over the occurrences of the last token
+    only, instead of scanning the whole sequence once per n-gram length: the calibrated verification rule asks
+    it for every drafted node of a round (engine.drafting.acceptance)."""
+
+    def __init__(self, context: list[int]) -> None:
+        self.context = context
+        self.positions: dict[int, list[int]] = {}
+        for i, t in enumerate(context):
+            self.positions.setdefault(t, []).append(i)
+
+    def next_token(self, path: list[int], max_ngram: int = 4) -> int | None:
+        """The token after the most recent earlier occurrence of the longest recurring suffix (n <= max_ngram)
+        of context + path, or None when not even its last token occurred before."""
+        ctx, T = self.context, len(self.context)
+        L = T + len(path)
+        at = lambda i: ctx[i] if i < T else path[i - T]  # noqa: E731
+        last = at(L - 1)
+        # earlier occurrences j <= L - 2 of the last token, most recent first: in the path, then in the context
+        occ = [T + k for k in range(len(path) - 2, -1, -1) if path[k] == last]
+        ctx_occ = self.positions.get(last, ())
+        hi = len(ctx_occ) if path else len(ctx_occ) - 1  # without a path the context's last token is the suffix
+        for n in range(min(max_ngram, L - 1), 0, -1):
+            for j in _chain_desc(occ, ctx_occ, hi):
+                if j - n + 1 < 0:
+                    continue
+                if all(at(j - m) == at(L - 1 - m) for m in range(1, n)):
+                    return at(j + 1)
+        return None
+
+
+def _chain_desc(first: list[int], ctx_occ: Sequence[int], hi: int) -> Iterator[int]:
+    yield from first
+    for i in range(hi - 1, -1, -1):
+        yield ctx_occ[i]
