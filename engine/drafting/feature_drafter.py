@@ -276,12 +276,13 @@ class EagleDrafter:
     def _predict_experts(self, trees: list[DraftTree], wanted: dict[int, _Round]) -> None:
         """λ > 0: every node's predicted feature (one more head step for unexpanded nodes) -> the
         predictor's top-r experts per MoE layer in `tree.predicted_experts` [N, L, E]."""
-        work = [(r, [i for i in range(1, len(r.growth.tok)) if i not in r.feature]) for r in wanted.values()]
+        kept = {t: r.growth.kept or range(len(r.growth.tok)) for t, r in wanted.items()}  # tree node -> growth node
+        work = [(r, [i for i in kept[t] if i and i not in r.feature]) for t, r in wanted.items()]
         work = [(r, nodes) for r, nodes in work if nodes]
         if work:
             self._expand(work)
         for t, r in wanted.items():
-            annotate_tree(trees[t], torch.stack([r.feature[i] for i in range(len(r.growth.tok))]), self.predictor)
+            annotate_tree(trees[t], torch.stack([r.feature[i] for i in kept[t]]), self.predictor)
 
 
 class MTPDrafter(EagleDrafter):

@@ -201,8 +201,12 @@ class ModelDrafter:
         trees = []
         for (seq_id, _, spec, _, _), st, a, f in zip(requests, states, aware, feats):
             grown = st.tree(self.model.vocab_size)
+            kept = st.kept or range(grown.num_nodes)  # grown node -> growth node (the calibrated rule prunes)
+            if st.kept is not None:  # re-key the fed scratch slots to the pruned tree's indices
+                fed = self.seqs[seq_id].fed_slots
+                self.seqs[seq_id].fed_slots = {i: fed[g] for i, g in enumerate(st.kept) if g in fed}
             if a:
-                annotate_tree(grown, torch.stack([f[n] for n in range(grown.num_nodes)]), self.predictor)
+                annotate_tree(grown, torch.stack([f[g] for g in kept]), self.predictor)
             tree = select_verified(grown, spec, st.drafted)
             if tree is not grown:
                 self.seqs[seq_id].fed_slots = {}  # indices changed: nothing to reuse

@@ -76,7 +76,8 @@ class TreeGrowth:
         self.budget = _node_budget(spec)
         self.frontier_cap = spec.frontier or spec.width
         self.tok, self.par, self.dep, self.path = [root_token], [-1], [0], [1.0]
-        self.cond, self.cal = [1.0], [1.0]  # per node: drafter's conditional prob, calibrated path prob
+        self.cal = [1.0]  # per node: calibrated path probability (the calibrated rule)
+        self.kept: list[int] | None = None  # tree(): growth indices of the tree's nodes (None: all, same order)
         self.qrows: list[torch.Tensor | None] = [None]
         self.confidence: list[float] = []
         self.frontier = [0]
@@ -133,13 +134,12 @@ class TreeGrowth:
         t = spec.verify_threshold
         self.confidence.append(max(c[3] for c, q in zip(cand, cal) if not self.calibrated or q >= t))
         new_ids = []
-        for (pp, f, k, cp), q in zip(cand, cal):
+        for (pp, f, k, _), q in zip(cand, cal):
             new_ids.append(len(self.tok))
             self.tok.append(k)
             self.par.append(f)
             self.dep.append(d)
             self.path.append(pp)
-            self.cond.append(cp)
             self.cal.append(q)
             self.qrows.append(None)
         if d >= spec.depth or len(self.tok) - 1 >= self.budget:
@@ -157,11 +157,13 @@ class TreeGrowth:
         return out[::-1]
 
     def tree(self, vocab_size: int) -> DraftTree:
+        """The grown tree (the calibrated rule keeps its nodes above the threshold; `kept` maps them back)."""
         keep = list(range(len(self.tok)))
         if self.calibrated and not self.drafted:  # the calibrated rule verifies only nodes above its threshold
             # (prefix-closed: a calibrated path probability never exceeds its parent's); i.i.d. children keep
             # whole depths, as the threshold rule does
             keep = [j for j, q in enumerate(self.cal) if j == 0 or q >= self.spec.verify_threshold]
+            self.kept = keep if len(keep) < len(self.tok) else None
         new = {j: i for i, j in enumerate(keep)}
         tree = DraftTree(
             tokens=torch.tensor([self.tok[j] for j in keep]),

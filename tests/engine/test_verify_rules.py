@@ -113,3 +113,39 @@ def test_calibrated_rule_needs_a_model(zoo):
     spec = engine.SpecConfig(depth=4, width=1, verify_rule="calibrated", verify_threshold=0.3, acceptance=model)
     res = eng.generate(prompts, 8, spec=spec)
     assert [r.token_ids for r in res] == [r.token_ids for r in eng.generate(prompts, 8)]
+
+
+def test_calibrated_pruning_keeps_the_drafters_kv_reuse_right(zoo):
+    """The model drafter copies the K/V of accepted nodes it already ran from scratch slots; a pruned tree has
+    new node indices, so the slots must follow them. Reusing them must draft exactly what recomputing does."""
+    target, drafter_model, _ = zoo
+    prompts = encode(target.tokenizer, code_prompts(4), 40)
+    spec = engine.SpecConfig(depth=6, width=2, verify_rule="calibrated", verify_threshold=0.3)
+    runs = []
+    for reuse in (True, False):
+        eng = engine.Engine(target, drafter=drafter_model, acceptance=_model(agree=0.95, disagree=0.2, none=0.6))
+        if not reuse:  # forget the fed slots: every accepted node's K/V is recomputed at commit
+            commit = eng.drafter.commit
+
+            def fresh(seq_id, *a, _commit=commit, _d=eng.drafter, **k):
+                _d.seqs[seq_id].fed_slots = {}
+                return _commit(seq_id, *a, **k)
+
+            eng.drafter.commit = fresh
+        res = eng.generate(prompts, 48, spec=spec)
+        runs.append([[(s.proposed, s.accepted, s.built_depth) for s in r.rounds] for r in res])
+    assert runs[0] == runs[1]
+    assert any(p < 12 for r in runs[0] for p, _, _ in r)  # some trees were pruned
+
+
+def test_calibrated_rule_with_expert_aware_selection_is_exact(zoo):
+    """λ > 0 annotates the pruned tree's nodes with their predicted experts (growth -> tree indices)."""
+    target, _, prompts = zoo
+    model = _model(agree=0.95, disagree=0.2, none=0.6)
+    eng = engine.Engine(target, drafter=str(zoo_path("eagle-head")), predictor=str(zoo_path("expert-predictor")),
+                        acceptance=model)  # fmt: skip
+    base = [r.token_ids for r in eng.generate(prompts, 24)]
+    spec = engine.SpecConfig(depth=6, width=2, lam=1.0, max_verify=6, verify_rule="calibrated", verify_threshold=0.3)
+    res = eng.generate(prompts, 24, spec=spec)
+    assert [r.token_ids for r in res] == base
+    assert any(s.built_depth < 6 for r in res for s in r.rounds)
