@@ -85,6 +85,13 @@ def check_conf(conf: MainConf) -> None:
     for name in conf.policies:
         if name not in POLICY_FACTORIES:
             raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICY_FACTORIES)}")
+    if conf.policy_path:  # a given frozen policy: its artefact and its action grid must fit this evaluation
+        from engine.runtime.frozen import load_frozen_policy
+
+        fp = load_frozen_policy(conf.policy_path)  # missing / foreign observation layout: clear errors
+        if fp.grid != grid:
+            raise ValueError(f"policy_path={conf.policy_path}: the policy acts on the grid {fp.grid.to_dict()}, but "
+                             f"this evaluation's grid is {grid.to_dict()}; set grid.* to match")  # fmt: skip
 
 
 def _check_regimes(conf: MainConf) -> None:

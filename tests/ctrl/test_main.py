@@ -246,7 +246,27 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
     conf.policies = ["magic"]
     with pytest.raises(ValueError, match="unknown policy"):
         check_conf(conf)
+    conf = MainConf()
+    conf.learners = ["dqn"]
+    with pytest.raises(ValueError, match="unknown learner"):
+        check_conf(conf)
+    conf = MainConf()
+    conf.algo.expert = "human"
+    with pytest.raises(ValueError, match="algo.expert"):
+        check_conf(conf)
+    conf = MainConf()
+    conf.policy_path = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):
+        check_conf(conf)
     assert not (tmp_path / "cache").exists()
+
+
+def test_policy_from_another_action_grid_is_refused(trained):
+    _, _, _, path, _ = trained
+    conf = MainConf()  # the default grid, not the smoke grid the policy was trained on
+    conf.policy_path = str(path)
+    with pytest.raises(ValueError, match="acts on the grid"):
+        check_conf(conf)
 
 
 def test_train_and_evaluate_entry_points(smoke_run):
