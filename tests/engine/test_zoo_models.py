@@ -93,3 +93,22 @@ def test_fine_target_matches_transformers(fine):
     with torch.no_grad():
         want = theirs.eval()(ids).logits.float()
     torch.testing.assert_close(target.logits(ids), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [engine.SpecConfig(depth=3), engine.SpecConfig(depth=4, width=2, frontier=4, max_verify=6, lam=2.0)],
+    ids=["chain-K3", "tree-lambda"],
+)
+def test_fine_target_eagle_head_and_predictor_are_exact_and_accept(fine, spec):
+    """zoo/eagle-head-fine and zoo/expert-predictor-fine: an EAGLE head and a 64-expert predictor trained on the
+    fine-grained target (python -m engine.zoo.train_heads target=zoo/tiny-moe-fine)."""
+    target, prompts, base = fine
+    drafter = engine.load_feature_drafter(
+        zoo_path("eagle-head-fine"), target, predictor=zoo_path("expert-predictor-fine")
+    )
+    eng = engine.Engine(target, drafter=drafter, check_kv=True)
+    res = eng.generate(prompts, 24, spec=spec)
+    assert [r.token_ids for r in res] == base
+    assert sum(r.acceptance_length for r in res) / len(res) > 1.3
+    eng.kv.check_quiescent()
