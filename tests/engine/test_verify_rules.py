@@ -31,20 +31,23 @@ def zoo():
 
 
 @pytest.mark.parametrize("width", [1, 2])
-def test_threshold_prunes_and_stays_exact(zoo, width):
+@pytest.mark.parametrize("rule, threshold", [("threshold", 0.5), ("calibrated", 0.3)])
+def test_stop_rules_prune_and_stay_exact(zoo, width, rule, threshold):
+    """The raw path-probability threshold and the calibrated one (a hand-made acceptance model: 0.6 · 0.2 < 0.3,
+    so a node the n-gram contradicts never survives below an unconfirmed parent) draft less, exactly."""
     target, drafter, prompts = zoo
-    eng = engine.Engine(target, drafter=drafter)
+    eng = engine.Engine(target, drafter=drafter, acceptance=_model(agree=0.95, disagree=0.2, none=0.6))
     base = [r.token_ids for r in eng.generate(prompts, 24)]
     full = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width))
-    cut = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width, verify_rule="threshold",
-                                                          verify_threshold=0.5))  # fmt: skip
+    cut = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width, verify_rule=rule,
+                                                          verify_threshold=threshold))  # fmt: skip
     assert [r.token_ids for r in cut] == base == [r.token_ids for r in full]
     rounds_full = [s for r in full for s in r.rounds]
     rounds_cut = [s for r in cut for s in r.rounds]
     mean = lambda rs, f: sum(f(s) for s in rs) / len(rs)  # noqa: E731
     assert mean(rounds_cut, lambda s: s.proposed) < mean(rounds_full, lambda s: s.proposed)
     assert any(s.built_depth < s.depth for s in rounds_cut)
-    assert all(s.verify_rule == "threshold" for s in rounds_cut)
+    assert all(s.verify_rule == rule for s in rounds_cut)
 
 
 def test_goodput_rule_in_the_engine_is_exact_and_cuts(zoo):
@@ -79,27 +82,6 @@ def test_calibrated_path_probabilities_multiply_along_the_path():
     assert AcceptanceModel.from_dict(m.to_dict()) == m
     with pytest.raises(ValueError, match="not an acceptance model"):
         AcceptanceModel.from_dict({"kind": "isotonic"})
-
-
-@pytest.mark.parametrize("width", [1, 2])
-def test_calibrated_rule_prunes_and_stays_exact(zoo, width):
-    target, drafter, prompts = zoo
-    model = _model(agree=0.95, disagree=0.2, none=0.6)
-    eng = engine.Engine(target, drafter=drafter, acceptance=model)
-    base = [r.token_ids for r in eng.generate(prompts, 24)]
-    full = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width))
-    cut = eng.generate(prompts, 24, spec=engine.SpecConfig(depth=6, width=width, verify_rule="calibrated",
-                                                          verify_threshold=0.3))  # fmt: skip
-    assert [r.token_ids for r in cut] == base == [r.token_ids for r in full]
-    rounds_cut = [s for r in cut for s in r.rounds]
-    rounds_full = [s for r in full for s in r.rounds]
-    assert sum(s.proposed for s in rounds_cut) / len(rounds_cut) < sum(s.proposed for s in rounds_full) / len(
-        rounds_full
-    )
-    # 0.6 · 0.2 < 0.3: a node the n-gram contradicts never survives below an unconfirmed parent; two
-    # contradicted levels in a row never survive at all (0.2 · 0.2 < 0.3)
-    assert any(s.built_depth < s.depth for s in rounds_cut)
-    assert all(s.verify_rule == "calibrated" for s in rounds_cut)
 
 
 def test_calibrated_rule_needs_a_model(zoo):
