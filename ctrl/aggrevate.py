@@ -1,4 +1,4 @@
-"""AggreVaTe with the hindsight oracle's cost-to-go (Ross & Bagnell, arXiv 1406.5979), on trace replay.
+"""AggreVaTe with an exact expert cost-to-go (Ross & Bagnell, arXiv 1406.5979), on trace replay.
 
 In replay an action's outcome at a position does not depend on the history (env.tables), so the exact
 cost-to-go of the hindsight oracle is known everywhere: for a request with T positions

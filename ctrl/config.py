@@ -16,7 +16,7 @@ BUILTIN_WORKLOADS = ["code", "prose", "chat", "math"]
 
 @dataclass
 class AlgoConf:
-    # ppo | aggrevate (cost-sensitive imitation of the hindsight oracle, ctrl/aggrevate.py) | aggrevate+ppo
+    # ppo | aggrevate (cost-sensitive imitation of an expert, `expert` below; ctrl/aggrevate.py) | aggrevate+ppo
     name: str = "ppo"
     iterations: int = 6  # AggreVaTe: data-aggregation rounds (expert share β^i)
     # AggreVaTe's cost-to-go: oracle (the hindsight DP, optimistic) | static (the best static action of the
