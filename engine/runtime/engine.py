@@ -33,6 +33,7 @@ from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
 from engine.runtime.footprint import round_footprint, virtual_rank_loads
 from engine.runtime.frozen import load_frozen_policy
+from engine.runtime.kv_check import check_kv_invariant
 from engine.runtime.observation import History, Observation, observe_history
 from engine.runtime.policy import Policy
 from engine.runtime.session import Session
@@ -208,10 +209,8 @@ class Engine:
         if s.depth > 0 and self.drafter is None:
             raise ValueError("an action with depth K > 0 needs a drafter: Engine(target, drafter=...)")
         if s.verify_rule == "calibrated" and s.acceptance is None and self.acceptance is None:
-            raise ValueError(
-                "verify_rule 'calibrated' needs an acceptance model (env.calibration.fit_acceptance): "
-                "Engine(..., acceptance=model) or SpecConfig(acceptance=model)"
-            )
+            raise ValueError("verify_rule 'calibrated' needs an acceptance model (env.calibration.fit_acceptance): "
+                             "Engine(..., acceptance=model) or SpecConfig(acceptance=model)")  # fmt: skip
         if s.lam > 0 and s.depth > 0 and not getattr(self.drafter, "predicts_experts", False):
             raise ValueError(
                 f"λ = {s.lam} > 0 needs a drafter with an expert predictor (it prices each node's marginal "
@@ -358,9 +357,7 @@ class Engine:
         for r, s in zip(active, actions):
             remaining = r.max_new - len(r.new_tokens)
             if s.depth > 0 and self.drafter is not None and remaining > 1:
-                s = s if s.depth < remaining else _replace_depth(s, remaining - 1)  # never draft past the end
-                if s.verify_rule == "calibrated" and s.acceptance is None:
-                    s = replace(s, acceptance=self.acceptance)
+                s = _round_spec(s, remaining, self.acceptance)
                 drafting.append(len(trees))
             specs.append(s)
             trees.append(DraftTree.root_only(r.tokens[-1]))
@@ -417,25 +414,7 @@ class Engine:
             r.history.add(stats)
             off += n
         if self.check_kv:
-            self._check_kv(active, kv)
-
-    def _check_kv(self, active: list[_Request], kv: PagedKVCache) -> None:
-        """KV invariant: no scratch is held between rounds and each request's committed slots hold
-        exactly the K/V a fresh prefill of its committed tokens produces (no unverified token)."""
-        if kv.scratch:
-            raise AssertionError(f"scratch blocks still held after the round: {kv.scratch}")
-        cfg = self.target.config
-        for r in active:
-            n = r.cached_len
-            fresh = PagedKVCache.for_model(cfg, -(-n // 16) + 1, 16, kv.k.dtype, kv.k.device)
-            fresh.add_sequence(0)
-            fresh.reserve(0, n)
-            slots = fresh.slots(0, range(n))
-            self.target.forward_batch(pack([chain_item(r.tokens[:n], slots[:0], slots)], self.target.device), fresh)
-            mine = r.slot_table[:n]
-            for name, a, b in (("K", kv.k, fresh.k), ("V", kv.v, fresh.v)):
-                if not torch.allclose(a[:, mine], b[:, slots.to(b.device)], atol=1e-4, rtol=1e-4):
-                    raise AssertionError(f"request {r.index}: committed {name} cache differs from a fresh prefill")
+            check_kv_invariant(self.target, kv, active)
 
     def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
         if r.params.position_keyed:  # y_p = argmax(log p_target + g_p), also for K = 0 (engine.spec.gumbel)
@@ -525,5 +504,8 @@ class Engine:
         )
 
 
-def _replace_depth(s: SpecConfig, depth: int) -> SpecConfig:
-    return replace(s, depth=depth)
+def _round_spec(s: SpecConfig, remaining: int, acceptance: Any) -> SpecConfig:
+    """The action as this round drafts it: never past the request's end, the calibrated rule with a model."""
+    if s.depth >= remaining:
+        s = replace(s, depth=remaining - 1)
+    return replace(s, acceptance=acceptance) if s.verify_rule == "calibrated" and s.acceptance is None else s
