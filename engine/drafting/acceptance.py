@@ -4,8 +4,10 @@ A node's estimate depends on three draft-time features: its depth d, the drafter
 of it (`cond` = path_prob / parent's path_prob; the coupled score in position mode) and whether a second,
 free drafter agrees with it: the prompt-lookup continuation (engine.drafting.suffix.suffix_continuations)
 of the committed tokens followed by the node's path. Agreement of two drafters is a strong acceptance
-signal where the drafter's own probability is flat: on the zoo pair a depth-1 EAGLE draft that the
-n-gram continuation confirms is accepted about four times as often as one it contradicts.
+signal where the drafter's own probability is flat: on the zoo pair an EAGLE draft that the n-gram
+continuation confirms is accepted 81-96 % of the time, one it contradicts 7-19 % (held-out nodes).
+Stopping a draft by predicted acceptance follows SpecDec++ (arXiv 2405.19715) and DISCO (2405.04304); the
+second drafter is prompt lookup, the suffix matching SuffixDecoding (2411.04975) also builds on.
 
     state  NONE (0)      no suffix of the context recurs: the n-gram drafter has nothing to say
            AGREE (1)     its next token is the node's token
