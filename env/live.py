@@ -161,7 +161,7 @@ class LiveEnv(gym.Env):
         self.max_new_tokens = max_new_tokens
         self.target = target_model
         self.drafter = CaptureDrafter(drafter_obj)
-        if acceptance is None and any(rule == "calibrated" for rule, _ in grid.rules):
+        if acceptance is None and grid.needs_acceptance:
             raise ValueError("the grid has the 'calibrated' verification rule: pass its acceptance model")
         self.acceptance = acceptance  # engine.drafting.acceptance.AcceptanceModel of the "calibrated" rule
         self.engine = engine.Engine(

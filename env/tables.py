@@ -443,7 +443,6 @@ def routing_for(trace: Trace, cost: CostModel, routing_mode: str, router_seed: i
 
 def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: str, router_seed: int,
                acceptance: AcceptanceModel | None = None) -> str:  # fmt: skip
-    calibrated = any(rule == "calibrated" for rule, _ in grid.rules)
     blob = [
         TABLES_VERSION,
         trace.digest,
@@ -453,7 +452,7 @@ def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: st
         routing_mode,
         router_seed,
     ]
-    if calibrated and acceptance is not None:  # grids without the rule keep their cached tables
+    if grid.needs_acceptance and acceptance is not None:  # grids without the rule keep their cached tables
         blob.append(acceptance.digest)
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -469,7 +468,7 @@ def load_or_build_tables(
     acceptance: AcceptanceModel | None = None,
 ) -> ReplayTables:
     """Tables from the cache, else built (and cached when `cache`). routing_mode: "recorded" | "synthetic"."""
-    if acceptance is None and any(rule == "calibrated" for rule, _ in grid.rules):
+    if acceptance is None and grid.needs_acceptance:
         raise ValueError("the grid has the 'calibrated' verification rule: pass its acceptance model "
                          "(env.calibration.fit_acceptance)")  # fmt: skip
     key = tables_key(trace, grid, cost, routing_mode, router_seed, acceptance)

@@ -48,6 +48,11 @@ class ActionGrid:
     def max_depth(self) -> int:
         return max(self.depths)
 
+    @property
+    def needs_acceptance(self) -> bool:
+        """True when a rule of the grid is "calibrated" (its users must be given the AcceptanceModel)."""
+        return any(rule == "calibrated" for rule, _ in self.rules)
+
     def check(self, index: Sequence[int]) -> tuple[int, int, int, int]:
         """A valid index vector as ints, or a ValueError naming the bad entry and the space."""
         try:

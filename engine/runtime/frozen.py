@@ -46,7 +46,7 @@ class FrozenPolicy:
         self.calibration = IsotonicCalibration.from_dict(cal) if cal else None
         acc = card.get("acceptance")
         self.acceptance = AcceptanceModel.from_dict(acc) if acc else None  # the "calibrated" rule's model
-        if self.acceptance is None and any(rule == "calibrated" for rule, _ in self.grid.rules):
+        if self.acceptance is None and self.grid.needs_acceptance:
             raise ValueError("frozen policy: its action grid has the 'calibrated' rule but the card stores no "
                              "acceptance model (retrain it with `python -m ctrl.train`)")  # fmt: skip
         ends = np.cumsum(self.nvec)
