@@ -82,15 +82,28 @@ def joint_log_prob(policy: Any, obs: torch.Tensor, nvec: Sequence[int]) -> torch
     return lp.reshape(B, int(np.prod(nvec)))
 
 
-def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any, beta: float,
-            rng: np.random.Generator, expert: str = "oracle") -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
-    """States visited by the β-mixture of the expert and the policy, with the expert's Q rows."""
-    obs_out, q_out = [], []
+Expert = tuple[int | None, dict[int, np.ndarray]]  # (static action a_s or None: the oracle, Q rows per request)
+
+
+def experts(envs: Sequence[Any], requests: Sequence[Sequence[int]], expert: str = "oracle") -> list[Expert]:
+    """Each env's expert: its Q rows [T, A] per request (oracle_q, or static_q of its best static action).
+    They do not change between iterations, so they are computed once."""
+    out = []
     for env, reqs in zip(envs, requests):
         e = env.unwrapped
         a_s = best_static_action(e, reqs) if expert == "static" else None
+        out.append((a_s, {int(i): oracle_q(e, i) if a_s is None else static_q(e, i, a_s) for i in reqs}))
+    return out
+
+
+def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any, beta: float, rng: np.random.Generator,
+            expert: Sequence[Expert]) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
+    """States visited by the β-mixture of the expert and the policy, with the expert's Q rows."""
+    obs_out, q_out = [], []
+    for env, reqs, (a_s, qs) in zip(envs, requests, expert):
+        e = env.unwrapped
         for i in reqs:
-            q = oracle_q(e, i) if a_s is None else static_q(e, i, a_s)
+            q = qs[int(i)]
             vec, _ = e.reset(options={"request": int(i)})
             done = False
             while not done:
@@ -131,8 +144,9 @@ def aggrevate(
     data_obs: list[np.ndarray] = []
     data_q: list[np.ndarray] = []
     history = []
+    expert_q = experts(envs, requests, expert)
     for it in range(iterations):
-        o, q = collect(envs, requests, policy, beta**it, rng, expert)
+        o, q = collect(envs, requests, policy, beta**it, rng, expert_q)
         data_obs += o
         data_q += q
         X = torch.as_tensor(np.stack(data_obs), dtype=torch.float32)
