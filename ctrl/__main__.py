@@ -16,11 +16,9 @@ plots in the run directory (`hydra.run.dir=...`), the headline table printed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import hydra
@@ -28,9 +26,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ctrl.config import MainConf
-from ctrl.pipeline import check_conf, evaluate, record_traces, train
+from ctrl.pipeline import check_conf, record_traces
 from ctrl.report import markdown_report, plot_all
-from engine.paths import cache_dir
+from ctrl.stages import run_cost_stages
 
 HEADLINE = ("static-best-train", "static-best-test", "cascade", "evict", "sglang-adaptive", "vllm-goodput",
             "aggrevate", "ppo", "learned", "oracle")  # fmt: skip
@@ -80,49 +78,6 @@ def boundary(cost, conf: MainConf) -> str:
     )
 
 
-POLICY_CACHE_VERSION = 3  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card)
-
-
-REGIME_FIELDS = {"roofline-offload": ("offload_cache", "offload_policy"), "roofline-ep": ("ep_ranks", "ep_placement")}
-
-
-def _cost_key(cost) -> dict:
-    """What of a cost model determines its trained policies (the fields of its kind only: the roofline and
-    fitted keys stay those of before the offload / EP kinds existed)."""
-    keep = ("name", "kind", "hardware", "model_spec", "drafter_spec", *REGIME_FIELDS.get(cost.kind, ()))
-    return {k: v for k, v in asdict(cost).items() if k in keep}
-
-
-def _policy_cache(conf: MainConf, traces, cost) -> Path:
-    key = json.dumps([POLICY_CACHE_VERSION, sorted((n, t.digest) for n, t in traces.items()), _cost_key(cost),
-                      asdict(conf.algo), list(conf.seeds), asdict(conf.grid), conf.workloads.train],
-                     sort_keys=True)  # fmt: skip
-    return cache_dir() / "policies" / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def learned_policies(conf: MainConf, traces, cost) -> dict[str, list[Path]]:
-    """The frozen policies evaluated under `cost`: conf.policy_path, else every learner's seeds trained under
-    `cost` (or under `cost.policies_from`), from the cache or trained now."""
-    if conf.policy_path:
-        return {"learned": [Path(conf.policy_path)]}
-    if cost.policies_from:
-        cost = next(c for c in conf.costs if c.name == cost.policies_from)  # check_conf: it exists
-    cache = _policy_cache(conf, traces, cost)
-    learned: dict[str, list[Path]] = {}
-    for learner in conf.learners:
-        paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
-        if len(paths) != len(conf.seeds):
-            a = conf.algo
-            per_seed = (a.iterations if learner.startswith("aggrevate") else 0) + (
-                a.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
-            tb = tqdm(total=per_seed * len(conf.seeds), desc=f"train {learner} ({cost.name})",
-                      disable=not conf.progress)  # fmt: skip
-            paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
-            tb.close()
-        learned[learner] = paths
-    return learned
-
-
 def run(conf: MainConf, out_dir: Path) -> dict:
     check_conf(conf)
     if conf.wandb.dir is None:  # W&B runs (offline by default) go next to the report, not into the policy cache
@@ -137,21 +92,15 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     bar.close()
     t_record = time.perf_counter() - t0
     rows, extras, policies = [], {}, {}
-    for cost in conf.costs:
-        learned = learned_policies(conf, traces, cost)
+    for cost, (learned, r, p, x) in zip(conf.costs, run_cost_stages(conf, traces)):
         policies[cost.name] = {k: [str(p) for p in v] for k, v in learned.items()}
-        paths = [p for v in learned.values() for p in v]
-        n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
-        eb = tqdm(total=n_eval, desc=f"evaluate ({cost.name})", disable=not conf.progress)
-        r, p, x = evaluate(conf, traces, cost, learned, on_policy=lambda name, eb=eb: eb.update(1))
-        eb.close()
         rows += r
         extras[cost.name] = x
         for wl, data in p.items():
             plot_all(data, out_dir / "plots" / cost.name / wl)
-        for src in paths if not cost.policies_from else ():  # keep the frozen policies next to the report
+        for src in [p for v in learned.values() for p in v] if not cost.policies_from else ():
             dst = out_dir / "policies" / cost.name / Path(src).parent.name / Path(src).name
-            if not dst.exists():
+            if not dst.exists():  # keep the frozen policies next to the report
                 shutil.copytree(src, dst)
     sections = [report_extras(extras)]
     md = markdown_report(rows, {c.name: boundary(c, conf) for c in conf.costs}, sections)

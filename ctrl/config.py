@@ -117,6 +117,9 @@ class MainConf:
     policy_path: str | None = None  # ctrl.evaluate: a frozen policy folder; None: train (or reuse the cached one)
     out_dir: str = "."  # results.json, report.md, plots, policies (relative: the Hydra run dir)
     progress: bool = True
+    # processes: recording shares every workload's requests among them (env.record_pool; the measured seconds
+    # are then taken with every core busy), and the cost models train and evaluate side by side; 1: one process
+    workers: int = 2
 
 
 ConfigStore.instance().store(name="main_schema", node=MainConf)

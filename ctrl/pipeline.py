@@ -74,6 +74,8 @@ def check_conf(conf: MainConf) -> None:
                          f"(kmax {conf.models.kmax}, widths {conf.models.widths})")  # fmt: skip
     if not conf.seeds:
         raise ValueError("seeds must name at least one training seed")
+    if conf.workers < 1:
+        raise ValueError(f"workers must be >= 1 (processes for recording and the cost models), got {conf.workers}")
     from ctrl.agent import ALGOS
     from ctrl.aggrevate import EXPERTS
 
@@ -105,28 +107,31 @@ def _check_regimes(conf: MainConf) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- traces
-def record_traces(conf: MainConf, on_position: Callable[[], None] | None = None, on_start=None) -> dict[str, Any]:
-    """One trace per workload (train + test prompts), recorded once and cached by content."""
+def record_traces(conf: MainConf, on_position: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One trace per workload (train + test prompts), recorded once and cached by content; the requests of
+    every workload not cached yet are shared among `conf.workers` processes (env.record_pool)."""
     from env.models import load_models
-    from env.record import RecordConf, SamplingConf, WorkloadConf, record
+    from env.record import RecordConf, SamplingConf, WorkloadConf
+    from env.record_pool import record_many
 
     m, w = conf.models, conf.workloads
     models = load_models(m.target, m.drafter, m.predictor)
     names = list(w.names) + ([str(w.prompts)] if w.prompts else [])
-    traces = {}
+    confs = []
     for name in names:
         is_file = name == w.prompts
-        rc = RecordConf(
+        confs.append(RecordConf(
             target=m.target, drafter=m.drafter, predictor=m.predictor, kmax=m.kmax, widths=list(m.widths),
             max_new_tokens=w.max_new_tokens, max_prompt_tokens=w.max_prompt_tokens,
             workload=WorkloadConf(name="mixed" if is_file else name, n=w.train + w.test,
                                   prompts=name if is_file else None),
             sampling=SamplingConf(temperature=w.temperature), progress=False,
-        )  # fmt: skip
-        trace = record(rc, models=models, on_position=on_position, on_start=on_start)
+        ))  # fmt: skip
+    traces = {}
+    for name, trace in zip(names, record_many(confs, conf.workers, models, on_position)):
         if trace.num_requests < w.train + 1:
             raise ValueError(f"workload {name}: {trace.num_requests} usable prompts, need > workloads.train={w.train}")
-        traces[Path(name).stem if is_file else name] = trace
+        traces[Path(name).stem if name == w.prompts else name] = trace
     return traces
 
 

@@ -163,25 +163,9 @@ def _load_part(path: Path) -> dict[str, np.ndarray] | None:
     return part if set(part) == set(ARRAYS) else None
 
 
-def record(
-    conf: RecordConf,
-    models: tuple[Any, Any, ModelInfo] | None = None,
-    prompts: Sequence[Sequence[int]] | None = None,
-    on_position: Callable[[], None] | None = None,
-    on_start: Callable[[int, int], None] | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Trace:
-    """Record (or load from the cache) the trace of `conf`'s workload; see the module docstring.
-
-    models: (target, drafter, ModelInfo) already loaded (default: env.models.load_models of conf);
-    prompts: token ids instead of conf.workload. on_start(num_requests, done): called once before
-    recording; on_position(): after every recorded position (progress bars). rank / world_size: record
-    only requests i with i % world_size == rank (torchrun sharding; rank 0 merges once every shard exists).
-    """
-    check_conf(conf)
-    torch.set_num_threads(max(1, conf.threads))
-    target, drafter, info = models if models is not None else load_models(conf.target, conf.drafter, conf.predictor)
+def _locate(conf: RecordConf, target, drafter, info: ModelInfo, prompts: Sequence[Sequence[int]] | None = None):
+    """(prompt token ids, workload slug, trace key, trace path) of a recording; clear errors for a drafter that
+    cannot record."""
     if drafter is None:
         raise ValueError("recording needs a drafter (a feature-head or dense drafter folder)")
     if getattr(drafter, "model", None) is None and not hasattr(drafter, "head"):
@@ -193,7 +177,10 @@ def record(
         if not prompt_ids or any(len(p) < 2 for p in prompt_ids):
             raise ValueError("prompts must be a non-empty list of token lists with >= 2 tokens each")
     key = trace_key(conf, info, prompt_ids)
-    out = Path(conf.out) if conf.out else default_trace_path(slug, key)
+    return prompt_ids, slug, key, Path(conf.out) if conf.out else default_trace_path(slug, key)
+
+
+def _cached(out: Path, key: str, info: ModelInfo) -> Trace | None:
     if out.is_file():
         try:
             trace = load_trace(out, info.target_digest, info.drafter_digest)
@@ -201,6 +188,42 @@ def record(
                 return trace
         except TraceError:
             pass  # another format or model: record again
+    return None
+
+
+def is_recorded(conf: RecordConf, models: tuple[Any, Any, ModelInfo]) -> bool:
+    """Whether `conf`'s trace is already in the cache (or at conf.out) for these models."""
+    check_conf(conf)
+    target, drafter, info = models
+    _, _, key, out = _locate(conf, target, drafter, info)
+    return out.is_file() and _cached(out, key, info) is not None
+
+
+def record(
+    conf: RecordConf,
+    models: tuple[Any, Any, ModelInfo] | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
+    on_position: Callable[[], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    merge: bool = True,
+) -> Trace:
+    """Record (or load from the cache) the trace of `conf`'s workload; see the module docstring.
+
+    models: (target, drafter, ModelInfo) already loaded (default: env.models.load_models of conf);
+    prompts: token ids instead of conf.workload. on_start(num_requests, done): called once before
+    recording; on_position(): after every recorded position (progress bars). rank / world_size: record
+    only requests i with i % world_size == rank (torchrun sharding; rank 0 merges once every shard exists);
+    merge=False: only record this rank's shards and return None (env.record_pool merges afterwards).
+    """
+    check_conf(conf)
+    torch.set_num_threads(max(1, conf.threads))
+    target, drafter, info = models if models is not None else load_models(conf.target, conf.drafter, conf.predictor)
+    prompt_ids, slug, key, out = _locate(conf, target, drafter, info, prompts)
+    trace = _cached(out, key, info)
+    if trace is not None:
+        return trace
     parts_dir = out.with_suffix(".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
     eos = None
@@ -223,7 +246,7 @@ def record(
         _save_part(parts_dir / f"req-{i:05d}.npz", part)
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's shards are written before rank 0 merges
-    if rank != 0:
+    if rank != 0 or not merge:
         return None  # type: ignore[return-value]
     parts = [_load_part(parts_dir / f"req-{i:05d}.npz") for i in range(len(prompt_ids))]
     if any(p is None for p in parts):

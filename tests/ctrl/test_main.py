@@ -62,15 +62,17 @@ def test_main_job_smoke_writes_results_report_and_plots(smoke_run):
 
 
 def test_main_job_second_run_reuses_traces_and_policies(smoke_run):
+    """The first run records and runs its two cost models in two processes (workers=2, the default); a second
+    run in one process finds the traces and policies cached and reproduces every figure."""
     tmp, _, first = smoke_run
     run2 = tmp / "run2"
-    cmd = [sys.executable, "-m", "ctrl", "+experiment=main_smoke", f"hydra.run.dir={run2}"]
+    cmd = [sys.executable, "-m", "ctrl", "+experiment=main_smoke", f"hydra.run.dir={run2}", "workers=1"]
     proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train PPO" not in proc.stderr  # cached frozen policies: no retraining
     a = json.loads((tmp / "run" / "results.json").read_text())
     b = json.loads((run2 / "results.json").read_text())
-    assert [(r["policy"], r["committed_per_cost"]) for r in a] == [(r["policy"], r["committed_per_cost"]) for r in b]
+    assert a == b
 
 
 def test_evaluate_on_request_under_the_offload_and_ep_regimes(smoke_run):
@@ -253,6 +255,10 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
     conf = MainConf()
     conf.algo.expert = "human"
     with pytest.raises(ValueError, match="algo.expert"):
+        check_conf(conf)
+    conf = MainConf()
+    conf.workers = 0
+    with pytest.raises(ValueError, match="workers must be >= 1"):
         check_conf(conf)
     conf = MainConf()
     conf.policy_path = str(tmp_path / "nowhere")

@@ -1,0 +1,96 @@
+"""The main job's per-cost-model stage, and the cache of the policies it trains.
+
+    learned = learned_policies(conf, traces, cost)     # {learner: [frozen policy folders]}, cached by content
+    stages  = run_cost_stages(conf, traces)            # [(learned, rows, plot data, extras)] per cost model
+
+With conf.workers > 1 the cost models run side by side in spawned processes (each loads the cached traces);
+a cost model that evaluates another's policies (`policies_from`) runs in a second wave, after them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ctrl.config import MainConf
+from ctrl.pipeline import evaluate, record_traces, train
+from engine.paths import cache_dir
+
+POLICY_CACHE_VERSION = 3  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card)
+
+
+REGIME_FIELDS = {"roofline-offload": ("offload_cache", "offload_policy"), "roofline-ep": ("ep_ranks", "ep_placement")}
+
+
+def _cost_key(cost) -> dict:
+    """What of a cost model determines its trained policies (the fields of its kind only: the roofline and
+    fitted keys stay those of before the offload / EP kinds existed)."""
+    keep = ("name", "kind", "hardware", "model_spec", "drafter_spec", *REGIME_FIELDS.get(cost.kind, ()))
+    return {k: v for k, v in asdict(cost).items() if k in keep}
+
+
+def _policy_cache(conf: MainConf, traces, cost) -> Path:
+    key = json.dumps([POLICY_CACHE_VERSION, sorted((n, t.digest) for n, t in traces.items()), _cost_key(cost),
+                      asdict(conf.algo), list(conf.seeds), asdict(conf.grid), conf.workloads.train],
+                     sort_keys=True)  # fmt: skip
+    return cache_dir() / "policies" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def learned_policies(conf: MainConf, traces, cost, position: int = 0) -> dict[str, list[Path]]:
+    """The frozen policies evaluated under `cost`: conf.policy_path, else every learner's seeds trained under
+    `cost` (or under `cost.policies_from`), from the cache or trained now."""
+    if conf.policy_path:
+        return {"learned": [Path(conf.policy_path)]}
+    if cost.policies_from:
+        cost = next(c for c in conf.costs if c.name == cost.policies_from)  # check_conf: it exists
+    cache = _policy_cache(conf, traces, cost)
+    learned: dict[str, list[Path]] = {}
+    for learner in conf.learners:
+        paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
+        if len(paths) != len(conf.seeds):
+            a = conf.algo
+            per_seed = (a.iterations if learner.startswith("aggrevate") else 0) + (
+                a.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
+            tb = tqdm(total=per_seed * len(conf.seeds), desc=f"train {learner} ({cost.name})",
+                      disable=not conf.progress, position=position)  # fmt: skip
+            paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
+            tb.close()
+        learned[learner] = paths
+    return learned
+
+
+def cost_stage(conf: MainConf, index: int, traces=None, position: int = 0) -> tuple:
+    """Train (or reuse) the learned policies under conf.costs[index] and evaluate every policy under it:
+    (learned paths, rows, plot data, extras). In a worker process when conf.workers > 1 (`traces` None: the
+    cached traces are loaded)."""
+    cost = conf.costs[index]
+    traces = traces if traces is not None else record_traces(conf)  # recorded by the parent: from the cache
+    learned = learned_policies(conf, traces, cost, position)
+    paths = [p for v in learned.values() for p in v]
+    n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
+    eb = tqdm(total=n_eval, desc=f"evaluate ({cost.name})", disable=not conf.progress, position=position)
+    rows, plots, extras = evaluate(conf, traces, cost, learned, on_policy=lambda name: eb.update(1))
+    eb.close()
+    return learned, rows, plots, extras
+
+
+def run_cost_stages(conf: MainConf, traces) -> list[tuple]:
+    """`cost_stage` of every cost model, in conf.costs order: side by side in conf.workers processes, those
+    trained under another cost model's policies (policies_from) after the ones they take them from."""
+    n = len(conf.costs)
+    if conf.workers <= 1 or n == 1:
+        return [cost_stage(conf, i, traces) for i in range(n)]
+    out: dict[int, tuple] = {}
+    waves = [[i for i, c in enumerate(conf.costs) if not c.policies_from],
+             [i for i, c in enumerate(conf.costs) if c.policies_from]]  # fmt: skip
+    with ProcessPoolExecutor(max_workers=min(conf.workers, n), mp_context=mp.get_context("spawn")) as pool:
+        for wave in waves:
+            futures = {i: pool.submit(cost_stage, conf, i, None, k % conf.workers) for k, i in enumerate(wave)}
+            out.update({i: f.result() for i, f in futures.items()})
+    return [out[i] for i in range(n)]
