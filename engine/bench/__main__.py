@@ -5,6 +5,7 @@
     python -m engine.bench spec new_tokens=32 repeats=1      # any config override
     python -m engine.bench cost            # verification cost: measured phases, fitted model, GPU what-if
     python -m engine.bench graphs          # CUDA: eager vs CUDA-graph decode vs transformers, Qwen3-30B-A3B shape
+    python -m engine.bench policy          # a deployed frozen policy's cost per round (observation + call)
 
 Every ratio is measured side by side in one process with runs interleaved (ours, theirs, ours, ...),
 single intra-op thread by default (DESIGN.md §8). Results are printed as tables and written as JSON
@@ -116,6 +117,14 @@ def main(cfg: BenchConfig) -> None:
             raise SystemExit(str(err)) from None
         for r in res["rows"]:
             print(r)
+    elif cfg.mode == "policy":
+        from engine.bench.policy import bench_policy, print_policy
+
+        c = cfg.policy_bench
+        bar = tqdm(total=len(c.batch_sizes) * c.repeats, desc="policy overhead (batch sizes × repeats)")
+        res = bench_policy(cfg, progress=lambda: bar.update(1))
+        bar.close()
+        print_policy(res)
     elif cfg.mode == "cost":
         from engine.bench.cost import bench_cost, print_cost
 

@@ -54,3 +54,17 @@ def hf_generate(hf, prompts: list[list[int]], n: int, assistant=None) -> list[li
             **kwargs,
         )
     return out[:, ids.shape[1] :].cpu().tolist()
+
+
+def learned_policy(path: str | None, cost: str = "measured-cpu", setting: str = "serve_bench.learned_path") -> str:
+    """The frozen policy to deploy: `path`, else the newest cached main-job AggreVaTe (seed 0) trained under the
+    cost model named `cost` (the cache `python -m ctrl` fills under engine.paths.cache_dir()/policies)."""
+    if path:
+        return path
+    from engine.paths import cache_dir
+
+    found = sorted((cache_dir() / "policies").glob(f"*/{cost}/aggrevate/seed0"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no learned policy trained under {cost!r} cached: run the main job "
+                                f"(`python -m ctrl`) or set {setting}=PATH")  # fmt: skip
+    return str(found[-1])

@@ -42,6 +42,20 @@ class ServeBenchConfig:
 
 
 @dataclass
+class PolicyBenchConfig:
+    """Settings of `python -m engine.bench policy` (engine/bench/policy.py)."""
+
+    path: str | None = None  # a frozen policy folder; None: the main job's cached AggreVaTe (seed 0) under `cost`
+    cost: str = "roofline-h200-qwen3_30b_a3b"  # whose cached policy (its rounds speculate; measured-cpu's decode)
+    drafter: str = "eagle-head"  # zoo names: what the main job records and trains with
+    predictor: str | None = "expert-predictor"
+    workloads: list[str] = field(default_factory=lambda: ["code", "prose", "chat", "math"])
+    num_prompts: int = 8  # per workload
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    repeats: int = 2  # interleaved target-only / policy runs
+
+
+@dataclass
 class BoundShape:
     """One random checkpoint of `python -m engine.bench`'s bound table (transformers config names)."""
 
@@ -121,7 +135,7 @@ class CostBenchConfig:
     seed: int = 0
 
 
-MODES = ("decode", "spec", "cost", "serve", "graphs")
+MODES = ("decode", "spec", "cost", "serve", "graphs", "policy")
 
 
 @dataclass
@@ -146,3 +160,4 @@ class BenchConfig:
     graphs: GraphsBenchConfig = field(default_factory=GraphsBenchConfig)  # mode=graphs (CUDA)
     cost: CostBenchConfig = field(default_factory=CostBenchConfig)  # mode=cost settings (cost.sizes=...)
     serve_bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)  # mode=serve settings
+    policy_bench: PolicyBenchConfig = field(default_factory=PolicyBenchConfig)  # mode=policy settings

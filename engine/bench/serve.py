@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from engine.bench.common import learned_policy
 from engine.bench.configs import ServeBenchConfig
 
 
@@ -38,19 +39,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def learned_policy(path: str | None) -> str:
-    """The frozen policy to deploy: `path`, else the newest cached main-job learner for this machine's cost."""
-    if path:
-        return path
-    from engine.paths import cache_dir
-
-    found = sorted((cache_dir() / "policies").glob("*/measured-cpu/aggrevate/seed0"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise FileNotFoundError("no learned policy cached: run the main job (`python -m ctrl`) or set "
-                                "serve_bench.learned_path=PATH")  # fmt: skip
-    return str(found[-1])
 
 
 class Server:

@@ -138,6 +138,7 @@ class Engine:
         self.offload = offload
         self.round_cost = round_cost  # fills RoundStats.cost / cost_ar (None: measured seconds, no T_AR)
         self.calibration = calibration  # draft confidence -> P(accepted), for the observation
+        self._obs_model = (target.config.top_r if target.config.is_moe else 0, len(target.moe_blocks))  # (r, L)
         self.acceptance = acceptance  # engine.drafting.acceptance.AcceptanceModel of the "calibrated" rule
         self.expert_budget = check_expert_budget(expert_budget, target.config.num_experts, target.config.top_r)
         self.default_sampling = GREEDY
@@ -490,7 +491,7 @@ class Engine:
     # ------------------------------------------------------------------ policy interface
     def observe_request(self, req: _Request, batch_size: int = 1) -> Observation:
         """The Observation a policy sees before `req`'s next round (engine.runtime.observation.observe)."""
-        cfg = self.target.config
+        top_k, layers = self._obs_model
         return observe_history(
             req.history,
             position=len(req.new_tokens),
@@ -498,8 +499,8 @@ class Engine:
             prompt_len=len(req.prompt),
             batch_size=batch_size,
             calibration=self.calibration,
-            top_k=cfg.top_r if cfg.is_moe else 0,
-            num_moe_layers=len(self.target.moe_blocks),
+            top_k=top_k,
+            num_moe_layers=layers,
             request_id=req.index,
         )
 

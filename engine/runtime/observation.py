@@ -114,7 +114,8 @@ class Observation:
             self.depth_last / KMAX,
             1.0 if self.round_index == 0 else 0.0,
         ]
-        return np.clip(np.asarray(v, dtype=np.float32), 0.0, 1.0)
+        x = np.asarray(v, dtype=np.float32)
+        return np.minimum(np.maximum(x, 0.0, out=x), 1.0, out=x)  # np.clip, without its ~2 µs wrapper
 
 
 BOUNDS = (0.0, 1.0)  # every vector entry is clipped into this box

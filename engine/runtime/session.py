@@ -33,6 +33,7 @@ every rank (a rank with no active request runs the idle collectives).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -85,6 +86,7 @@ class Session:
         self.failed: BaseException | None = None
         self.closed = False
         self.kv = kv  # the engine's PagedKVCache, sized by Engine.start
+        self._policy_seconds: dict[int, float] = {}  # request id -> choosing its action this step
 
     # ------------------------------------------------------------------ membership
     @property
@@ -165,7 +167,12 @@ class Session:
         if actions is None:
             if self.policy is None or self.engine.drafter is None:
                 return active, [self.spec or NO_SPEC] * len(active)
-            return active, [self.check_action(self.policy(self.observation(r.index))) for r in active]
+            specs = []
+            for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds
+                t0 = time.perf_counter()
+                specs.append(self.check_action(self.policy(self.observation(r.index))))
+                self._policy_seconds[r.index] = time.perf_counter() - t0
+            return active, specs
         if isinstance(actions, Mapping):
             ids = set(self.active)
             if not actions or not set(actions) <= ids:
@@ -194,6 +201,7 @@ class Session:
             if self.engine.ep is not None:
                 self.engine.ep.idle_step()
             return []
+        self._policy_seconds.clear()
         active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
         saved = [_Saved.of(r) for r in active]
         try:
@@ -205,6 +213,8 @@ class Session:
             self.failed = err
             raise
         for r in active:
+            if r.index in self._policy_seconds:
+                r.rounds[-1].policy_seconds = self._policy_seconds.pop(r.index)
             if r.finish_reason is not None:
                 self._release(r)
         self._active = [r for r in self._active if r.finish_reason is None]

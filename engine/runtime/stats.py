@@ -46,6 +46,7 @@ class RoundStats:
     cross_node_ratio: float | None = None
     time: dict[str, float] = field(default_factory=dict)  # draft, attention, router, experts, combine, ...
     round_seconds: float = 0.0  # measured cost of the round (batched step + this request's drafting)
+    policy_seconds: float = 0.0  # choosing this round's action (observation + policy call; 0 without a policy)
     modelled_seconds: float | None = None  # roofline cost, when a cost model is attached
     offload: Any = None  # engine.offload.cache.OffloadStats of the batched step (Engine(offload=...)); not imported:
     # offload sits above runtime

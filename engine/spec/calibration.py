@@ -6,10 +6,9 @@ apply the same one; it is fitted on recorded traces by `env.calibration.fit_cali
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -21,9 +20,10 @@ class IsotonicCalibration:
 
     def __call__(self, confidence: float, depth: int) -> float:
         d = min(max(int(depth), 1), len(self.knots_x)) - 1
-        if not self.knots_x[d]:
+        xs = self.knots_x[d]
+        if not xs:
             return float(confidence)
-        return float(np.interp(confidence, self.knots_x[d], self.knots_y[d]))
+        return interp(float(confidence), xs, self.knots_y[d])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -35,3 +35,24 @@ class IsotonicCalibration:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IsotonicCalibration:
         return cls(tuple(tuple(k) for k in d["knots_x"]), tuple(tuple(k) for k in d["knots_y"]))
+
+
+def interp(x: float, xp: tuple[float, ...], fp: tuple[float, ...]) -> float:
+    """`np.interp(x, xp, fp)` for one float, bit for bit (numpy's arr_interp: the last knot <= x, clamped ends,
+    a knot hit exactly returns its value), without numpy's per-call array conversion (~0.5 µs, not ~3 µs)."""
+    if len(xp) == 1:  # numpy's one-knot path: its value everywhere, nan included
+        return float(fp[0])
+    if x != x:  # nan
+        return x
+    j = bisect_right(xp, x) - 1
+    if j < 0:
+        return float(fp[0])
+    if j >= len(xp) - 1 or xp[j] == x:
+        return float(fp[j])
+    slope = (fp[j + 1] - fp[j]) / (xp[j + 1] - xp[j])
+    y = slope * (x - xp[j]) + fp[j]
+    if y != y:  # numpy's fallbacks for a non-finite slope
+        y = slope * (x - xp[j + 1]) + fp[j + 1]
+        if y != y and fp[j] == fp[j + 1]:
+            y = fp[j]
+    return float(y)

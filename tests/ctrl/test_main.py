@@ -177,6 +177,27 @@ def test_deployed_policy_is_exact_in_the_engine(trained):
     assert [r.token_ids for r in eng.generate(prompts, 16, sampling=sampled, policy=str(path))] == ref
 
 
+def test_policy_overhead_benchmark_smoke(trained, tmp_path):
+    """`python -m engine.bench policy` on the trained artefact: every request-round timed, shares in (0, 1)."""
+    from engine.bench.configs import BenchConfig
+    from engine.bench.policy import bench_policy, print_policy
+
+    _, _, _, path, _ = trained
+    cfg = BenchConfig(mode="policy", new_tokens=6, prompt_len=24)
+    cfg.policy_bench.path, cfg.policy_bench.workloads, cfg.policy_bench.num_prompts = str(path), ["code"], 2
+    cfg.policy_bench.batch_sizes, cfg.policy_bench.repeats = [1, 2], 1
+    res = bench_policy(cfg)
+    assert [r["batch"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["request_rounds"] >= 2 and r["policy_seconds_median"] > 0 and 0 < r["share_of_wall"] < 1
+        assert r["plain_step_seconds_median"] > 0 and r["round_seconds_median"] > 0
+    assert set(res["parts"]) == {"observation", "policy_call", "vector", "choice"}
+    print_policy(res)
+    cfg.policy_bench.path = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):
+        bench_policy(cfg)
+
+
 def test_policy_from_another_observation_layout_is_refused(trained, tmp_path):
     import shutil
 

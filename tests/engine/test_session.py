@@ -304,3 +304,6 @@ def test_policy_gets_the_shared_observation(zoo):
     assert [o.position for o in seen] == committed[:-1]  # new tokens before each round
     assert [o.accepted_last for o in seen[1:]] == [r.accepted for r in res.rounds[:-1]]
     assert seen[-1].vector().shape == seen[0].vector().shape
+    assert all(r.policy_seconds > 0 for r in res.rounds)  # the choice of every round is timed
+    (plain,) = engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, spec=CHAIN)
+    assert all(r.policy_seconds == 0 for r in plain.rounds)  # no policy, no controller cost
