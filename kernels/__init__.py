@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fused_moe import MoeBlockConfig, fused_moe_ref, get_config
+from kernels.fused_moe import ClampedSwiGLU, MoeBlockConfig, fused_moe_ref, get_config
 from kernels.fused_moe import fused_moe as fused_moe_triton
 from kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
 
 __all__ = [
+    "ClampedSwiGLU",
     "MoeAlignment",
     "MoeBlockConfig",
     "fused_moe",
@@ -45,6 +46,9 @@ def fused_moe(
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     backend: str = "auto",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """MoE expert compute. hidden [T, D], w_gate_up [E, 2F, D] (gate rows, then up rows),
     w_down [E, D, F], expert_ids [T, r] (-1 = expert not local: contributes 0), topk_weights [T, r]
@@ -52,10 +56,13 @@ def fused_moe(
 
         out[t] = sum_s topk_weights[t, s] * w_down[e] @ (silu(gate_e @ h[t]) * (up_e @ h[t])),
         e = expert_ids[t, s], gate_e = w_gate_up[e, :F], up_e = w_gate_up[e, F:]
+
+    gpt_oss: expert biases b_gate_up [E, 2F], b_down [E, D] and its clamped SwiGLU (`ClampedSwiGLU`;
+    kernels/fused_moe.py has the formula).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    args = (hidden, w_gate_up, w_down, expert_ids, topk_weights)
+    args = (hidden, w_gate_up, w_down, expert_ids, topk_weights, b_gate_up, b_down, clamp)
     if backend == "auto":
         backend = "triton" if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights) else "torch"
     if backend == "torch":

@@ -4,7 +4,11 @@
     e = expert_ids[t, s]; e = -1 (expert not local under EP) contributes 0.
 
 Rows 0..F-1 of `w_gate_up` are the gate projection, rows F..2F-1 the up projection (the layout of
-transformers' fused `experts.gate_up_proj`).
+transformers' fused `experts.gate_up_proj`). gpt_oss's experts add biases and clamp their SwiGLU
+(`ClampedSwiGLU`; b_gate_up [E, 2F] in the same row order, b_down [E, D]):
+
+    h = w_gate_up[e] @ x + b_gate_up[e];  g = min(h[:F], limit);  u = clamp(h[F:], -limit, limit)
+    y_e = w_down[e] @ ((u + 1) * g * sigmoid(alpha * g)) + b_down[e]
 
 `fused_moe_ref` is the spec and the CPU path: it groups assignments by expert and runs one pair of
 matmuls per active expert (differentiable, fp32 accumulation). `fused_moe` is the Triton path:
@@ -50,6 +54,30 @@ class MoeBlockConfig:
     BLOCK_K: int = 64
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt_oss's expert activation (module docstring); alpha and limit as in its config (`swiglu_limit`)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def check_expert_biases(b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, E: int, D: int, F: int,
+                        hidden: torch.Tensor) -> None:  # fmt: skip
+    """Both biases or neither; b_gate_up [E, 2F], b_down [E, D], hidden's dtype and device."""
+    if (b_gate_up is None) != (b_down is None):
+        raise ValueError("expert biases come in pairs: pass both b_gate_up [E, 2F] and b_down [E, D], or neither")
+    if b_gate_up is None:
+        return
+    if tuple(b_gate_up.shape) != (E, 2 * F) or tuple(b_down.shape) != (E, D):
+        raise ValueError(f"b_gate_up must be [E, 2F] = {(E, 2 * F)} and b_down [E, D] = {(E, D)}, got "
+                         f"{tuple(b_gate_up.shape)} and {tuple(b_down.shape)}")  # fmt: skip
+    for t in (b_gate_up, b_down):
+        if t.dtype != hidden.dtype or t.device != hidden.device:
+            raise ValueError(f"expert biases must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), "
+                             f"got {t.dtype}, {t.device}")  # fmt: skip
 
 
 def check_moe_inputs(
@@ -101,15 +129,20 @@ def fused_moe_ref(
     w_down: torch.Tensor,
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """Pure-torch MoE expert compute: hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F],
-    expert_ids [T, r] (-1 = not local), topk_weights [T, r] -> [T, D] in hidden's dtype.
+    expert_ids [T, r] (-1 = not local), topk_weights [T, r] -> [T, D] in hidden's dtype; optional expert
+    biases b_gate_up [E, 2F], b_down [E, D] and gpt_oss's clamped activation (module docstring).
 
     One matmul pair per *active* expert on its gathered tokens; no per-token loop, inactive experts are
     never touched. Differentiable w.r.t. hidden, both weights and topk_weights; accumulates in fp32
     (fp64 stays fp64).
     """
     T, D, E, F, r = check_moe_inputs(hidden, w_gate_up, w_down, expert_ids, topk_weights)
+    check_expert_biases(b_gate_up, b_down, E, D, F, hidden)
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     flat = expert_ids.reshape(-1)  # [A]
     # one host sync for the grouping: counts[0] = remote (-1) slots, counts[1 + e] = expert e's slots
@@ -125,8 +158,14 @@ def fused_moe_ref(
         n = counts[1 + e]
         if n == 0:
             continue
-        gate, up = F_nn.linear(x[start : start + n], w_gate_up[e].to(acc_dtype)).chunk(2, dim=-1)  # [n, F]
-        ys.append(F_nn.linear(F_nn.silu(gate) * up, w_down[e].to(acc_dtype)))  # [n, D]
+        bias_gu, bias_dn = (None, None) if b_gate_up is None else (b_gate_up[e].to(acc_dtype), b_down[e].to(acc_dtype))
+        gate, up = F_nn.linear(x[start : start + n], w_gate_up[e].to(acc_dtype), bias_gu).chunk(2, dim=-1)  # [n, F]
+        if clamp is None:
+            act = F_nn.silu(gate) * up
+        else:
+            gate, up = gate.clamp(max=clamp.limit), up.clamp(-clamp.limit, clamp.limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * clamp.alpha)
+        ys.append(F_nn.linear(act, w_down[e].to(acc_dtype), bias_dn))  # [n, D]
         start += n
     weights = topk_weights.reshape(-1).index_select(0, assign).to(acc_dtype)  # [A_local]
     y = (ys[0] if len(ys) == 1 else torch.cat(ys)) * weights[:, None]
@@ -141,6 +180,7 @@ def _fused_moe_gate_up_kernel(
     inter_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
+    bias_ptr,
     num_assign,
     top_r,
     D,
@@ -150,11 +190,16 @@ def _fused_moe_gate_up_kernel(
     stride_wn,
     stride_wk,
     stride_it,
+    stride_be,
+    alpha,
+    limit,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     # program = (block of BLOCK_M assignments of one expert) x (BLOCK_N columns of F)
     pid = tl.program_id(0)
@@ -192,8 +237,17 @@ def _fused_moe_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
 
-    # fused SiLU-and-multiply; kept in fp32 (A x F is tiny next to the weights)
-    inter = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if HAS_BIAS:  # gpt_oss: gate bias n, up bias F + n of this expert
+        b_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc_gate += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptrs + F, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # fused activation-and-multiply; kept in fp32 (A x F is tiny next to the weights)
+    if CLAMP:  # gpt_oss's clamped SwiGLU
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        inter = (acc_up + 1.0) * acc_gate * tl.sigmoid(acc_gate * alpha)
+    else:
+        inter = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out_ptrs = inter_ptr + assign[:, None] * stride_it + offs_n[None, :]
     tl.store(out_ptrs, inter, mask=row_mask[:, None] & n_mask[None, :])
 
@@ -206,6 +260,7 @@ def _fused_moe_down_kernel(
     partial_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
+    bias_ptr,
     num_assign,
     D,
     F,
@@ -214,11 +269,13 @@ def _fused_moe_down_kernel(
     stride_wn,
     stride_wk,
     stride_pt,
+    stride_be,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     # program = (block of BLOCK_M assignments of one expert) x (BLOCK_N columns of D)
     pid = tl.program_id(0)
@@ -251,6 +308,8 @@ def _fused_moe_down_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
+    if HAS_BIAS:  # the expert's output bias, before its routing weight
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     # routing weight folded in here, so the combine is a plain sum over slots
     route_w = tl.load(topk_weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
@@ -308,9 +367,13 @@ def fused_moe_configured(
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: MoeBlockConfig,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """`fused_moe` with explicit block sizes (tests and tuning); same shapes and result."""
     T, D, E, F, r = check_moe_inputs(hidden, w_gate_up, w_down, expert_ids, topk_weights, check_values=False)
+    check_expert_biases(b_gate_up, b_down, E, D, F, hidden)
     if hidden.dtype not in _TRITON_DTYPES:
         raise ValueError(f"Triton fused_moe supports {_TRITON_DTYPES}, got {hidden.dtype}")
     if not hidden.is_contiguous():
@@ -333,22 +396,26 @@ def fused_moe_configured(
     tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K)
     upcast = hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16  # interpreter lacks bf16 dot
     opts = dict(DOT_PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+    has_bias = b_gate_up is not None
+    b_gu = b_gate_up.contiguous() if has_bias else inter  # a placeholder pointer when unused
+    b_dn = b_down.contiguous() if has_bias else partial
+    act = clamp or ClampedSwiGLU()
 
     grid = (num_blocks * triton.cdiv(F, config.BLOCK_N),)
     launch(
         _fused_moe_gate_up_kernel, grid,
-        hidden, w_gate_up, inter, align.sorted_ids, align.block_expert_ids,
+        hidden, w_gate_up, inter, align.sorted_ids, align.block_expert_ids, b_gu,
         num_assign, r, D, F,
-        hidden.stride(0), *w_gate_up.stride(), inter.stride(0),
-        **tiles, **opts,
+        hidden.stride(0), *w_gate_up.stride(), inter.stride(0), b_gu.stride(0), float(act.alpha), float(act.limit),
+        **tiles, **opts, HAS_BIAS=has_bias, CLAMP=clamp is not None,
     )  # fmt: skip
     grid = (num_blocks * triton.cdiv(D, config.BLOCK_N),)
     launch(
         _fused_moe_down_kernel, grid,
-        inter, w_down, topk_weights, partial, align.sorted_ids, align.block_expert_ids,
+        inter, w_down, topk_weights, partial, align.sorted_ids, align.block_expert_ids, b_dn,
         num_assign, D, F,
-        inter.stride(0), *w_down.stride(), partial.stride(0),
-        **tiles, **opts,
+        inter.stride(0), *w_down.stride(), partial.stride(0), b_dn.stride(0),
+        **tiles, **opts, HAS_BIAS=has_bias,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(D))
     launch(
@@ -365,10 +432,14 @@ def fused_moe(
     w_down: torch.Tensor,
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (forward only): same arguments and result, block sizes from
     `get_config`. Needs fp32/bf16/fp16 tensors (hidden contiguous; weights of any strides) on CUDA
     (or CPU under TRITON_INTERPRET=1)."""
     T, D = hidden.shape if hidden.dim() == 2 else (0, 0)
     F = w_down.shape[-1] if w_down.dim() == 3 else 0
-    return fused_moe_configured(hidden, w_gate_up, w_down, expert_ids, topk_weights, get_config(T, D, F))
+    return fused_moe_configured(hidden, w_gate_up, w_down, expert_ids, topk_weights, get_config(T, D, F),
+                                b_gate_up, b_down, clamp)  # fmt: skip

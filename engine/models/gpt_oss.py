@@ -21,8 +21,9 @@ up interleaved in the last dim, `gate_up_proj_bias [E, 2F]` (interleaved), `down
 (two e2m1 values per byte, low nibble first) and `*_scales [E, out, in/32]` (e8m0 exponents, bias 127).
 Ours: `mlp.gate.{weight,bias}`, `mlp.experts.gate_up_proj [E, 2F, D]` (gate rows, then up rows; the
 `kernels.fused_moe` layout), `gate_up_proj_bias [E, 2F]` (same order), `down_proj [E, D, F]`,
-`down_proj_bias [E, D]`. The expert compute is torch only (no Triton twin; expert parallelism and offload
-reject gpt_oss blocks).
+`down_proj_bias [E, D]`. The expert compute is `kernels.fused_moe` with the biases and `ClampedSwiGLU` (torch
+reference or its Triton twin, `backend=`); expert parallelism shards the biases with the weights and offload
+keeps them resident (`GptOssMoE.local_experts`).
 
 Shape letters: B=requests Tq=padded queries S=key slots N=packed tokens T=tokens H=heads Hkv=kv heads
 hd=head dim D=hidden E=experts F=expert dim r=top-r.
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.models.config import ModelConfig
 from engine.models.layers import apply_rope, apply_rope_signed, pad_queries, unpad_queries
 from engine.models.moe import MoEBlock, RoutingRecord
@@ -112,30 +114,6 @@ class GptOssAttention(nn.Module):
 # ---------------------------------------------------------------------------------------------- experts
 
 
-def gpt_oss_experts_ref(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    b_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    b_down: torch.Tensor,
-    expert_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    """x [T, D], w_gate_up [E, 2F, D], b_gate_up [E, 2F], w_down [E, D, F], b_down [E, D], expert_ids /
-    topk_weights [T, r] -> [T, D]: the clamped SwiGLU of the module docstring, active experts only."""
-    out = torch.zeros_like(x)
-    F_ = w_down.shape[-1]
-    for e in expert_ids.unique().tolist():
-        tok, slot = (expert_ids == e).nonzero(as_tuple=True)  # [n], [n]
-        h = F.linear(x[tok], w_gate_up[e], b_gate_up[e])  # [n, 2F]
-        gate, up = h[:, :F_].clamp(max=limit), h[:, F_:].clamp(-limit, limit)
-        y = F.linear((up + 1) * gate * torch.sigmoid(gate * alpha), w_down[e], b_down[e])  # [n, D]
-        out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(out.dtype))
-    return out
-
-
 class GptOssMoE(MoEBlock):
     """`MoEBlock` with gpt_oss's biased router (softmax over the top-r logits) and biased clamped-SwiGLU experts."""
 
@@ -146,6 +124,17 @@ class GptOssMoE(MoEBlock):
         self.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * F_))
         self.experts.down_proj_bias = nn.Parameter(torch.zeros(E, D))
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.clamp = kernels.ClampedSwiGLU(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+    def local_experts(self, x, w_gate_up, w_down, expert_ids, topk_weights, rows=None) -> torch.Tensor:
+        """`MoEBlock.local_experts` with this block's expert biases (rows [E']: their expert ids, for weights
+        that are not the block's own storage, e.g. an offload buffer) and the clamped SwiGLU."""
+        ex = self.experts
+        b_gu, b_dn = ex.gate_up_proj_bias, ex.down_proj_bias
+        if rows is not None:
+            b_gu, b_dn = b_gu[rows.to(b_gu.device)], b_dn[rows.to(b_dn.device)]
+        return kernels.fused_moe(x, w_gate_up, w_down, expert_ids, topk_weights, self.backend, b_gu.to(x.dtype),
+                                 b_dn.to(x.dtype), self.clamp)  # fmt: skip
 
     def route(self, x: torch.Tensor, router_logits: torch.Tensor | None = None, expert_budget: int | None = None):
         """x [T, D] -> router_logits [T, E], topk_weights [T, r] (x.dtype), expert_ids [T, r].
@@ -170,17 +159,12 @@ class GptOssMoE(MoEBlock):
         expert_budget: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (out [T, D], router_logits [T, E])."""
-        if self.expert_fn is not None:
-            raise NotImplementedError(
-                "gpt_oss experts (biases, clamped SwiGLU) have no expert-parallel / offload path yet; "
-                "run this target without ep= / offload="
-            )
         with maybe_phase(timer, "router"):
             router_logits, topk_weights, expert_ids = self.route(x, None, expert_budget)
         with maybe_phase(timer, "experts"):
             ex = self.experts
-            out = gpt_oss_experts_ref(x, ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias,
-                                      expert_ids, topk_weights, self.alpha, self.limit)  # fmt: skip
+            fn = self.expert_fn or self.local_experts  # EP / offload call back into local_experts
+            out = fn(x, ex.gate_up_proj, ex.down_proj, expert_ids, topk_weights)
         if record is not None:
             record.layers.append(layer)
             record.expert_ids.append(expert_ids.detach())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +115,22 @@ class MoEBlock(nn.Module):
         self.backend = "auto"  # "auto" | "torch" | "triton"
         self.expert_fn: ExpertFn | None = None  # set by expert parallelism / offload to replace local compute
 
+    def local_experts(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        expert_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This block's expert math over given weights, the `ExpertFn` it runs without an `expert_fn` and the
+        compute EP and offload run on the experts they hold: x [T, D], w_gate_up [E', 2F, D], w_down [E', D, F],
+        expert_ids [T, r] rows of the weights (-1 = contributes 0) -> [T, D]. rows [E']: the expert id of each
+        weight row, for per-expert parameters beyond the two weights (gpt_oss's biases); None: the block's own
+        storage order (after EP's sharding, its own experts)."""
+        return expert_compute(x, w_gate_up, w_down, expert_ids, topk_weights, backend=self.backend)
+
     def _fused_input(self) -> torch.Tensor:
         """[E + 2Fs + 1, D]: router, shared gate/up and shared-expert gate rows for one matmul."""
         parts = [self.gate.weight]
@@ -170,7 +185,7 @@ class MoEBlock(nn.Module):
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
         with maybe_phase(timer, "experts"):
-            fn = self.expert_fn or partial(expert_compute, backend=self.backend)
+            fn = self.expert_fn or self.local_experts
             out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
         with maybe_phase(timer, "combine"):
             if self.shared_expert is not None and shared_in is not None:

@@ -50,7 +50,7 @@ import torch.nn.functional as F_nn
 from torch import nn
 
 from engine.cost.roofline import HardwareProfile, load_hardware
-from engine.models.moe import MoEBlock, expert_compute
+from engine.models.moe import MoEBlock
 from engine.models.transformer import Model
 
 POLICIES = ("lru", "lfu")
@@ -156,11 +156,13 @@ def moe_compute(
     w_down: torch.Tensor,
     expert_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert compute `MoEBlock.forward` runs without an expert_fn (same dispatch, same kernels):
-    x [T, D], w_gate_up [E', 2F, D], w_down [E', D, F], expert_ids [T, r] rows of the weights (-1 = 0)
-    -> [T, D]."""
-    return expert_compute(x, w_gate_up, w_down, expert_ids, topk_weights, backend=block.backend)
+    x [T, D], w_gate_up [E', 2F, D], w_down [E', D, F], expert_ids [T, r] rows of the weights (-1 = 0),
+    rows [E'] the expert id of each weight row (None: the block's own storage) -> [T, D]. Per-expert
+    parameters beyond the two weights (gpt_oss's biases) stay resident: `block.local_experts` indexes them."""
+    return block.local_experts(x, w_gate_up, w_down, expert_ids, topk_weights, rows)
 
 
 class _LayerCache:
@@ -465,6 +467,16 @@ class ExpertOffload:
         table = table.to(expert_ids.device)
         return torch.where(expert_ids >= 0, table[expert_ids.clamp(min=0)], expert_ids)
 
+    def _slot_experts(self, layer: int, extra: Sequence[int], rows: int) -> torch.Tensor:
+        """[rows] the expert held in each row of the device buffer (+ staging rows); 0 for an empty slot (never
+        indexed: no expert id maps to it)."""
+        table = torch.zeros(rows, dtype=torch.long)
+        for e, s in self._caches[layer].slot_of.items():
+            table[s] = e
+        for j, e in enumerate(extra):
+            table[self.capacity + j] = e
+        return table
+
     def _compute(self, layer, x, w_gate_up, w_down, expert_ids, topk_weights, streamed) -> torch.Tensor:
         block = self.blocks[layer]
         if self.mode == "simulate":
@@ -484,7 +496,10 @@ class ExpertOffload:
             idx = torch.tensor(list(streamed))
             buf_gu = torch.cat([buf_gu, host_gu[idx].to(self.device)])
             buf_dn = torch.cat([buf_dn, host_dn[idx].to(self.device)])
-        out = moe_compute(block, x, buf_gu, buf_dn, self._slot_ids(layer, expert_ids, streamed), topk_weights)
+        rows = None  # the expert of each buffer row: only blocks with per-expert biases (gpt_oss) read it
+        if getattr(block.experts, "gate_up_proj_bias", None) is not None:
+            rows = self._slot_experts(layer, streamed, buf_gu.shape[0]).to(x.device)  # [C + streamed]
+        out = moe_compute(block, x, buf_gu, buf_dn, self._slot_ids(layer, expert_ids, streamed), topk_weights, rows)
         if cuda:
             cache.done_event = torch.cuda.Event()
             cache.done_event.record(torch.cuda.current_stream(self.device))

@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import kernels
 from engine.models.moe import MoEBlock
 from engine.models.transformer import Model
 from engine.parallel.placement import ExpertPlacement, assign_ranks
@@ -244,13 +243,8 @@ class ExpertParallelFn:
             local_ids = torch.where(valid, self.local_index[recv_ids.clamp(min=0)], -1)  # [m, r]
             if bool((local_ids[valid] < 0).any()):
                 raise RuntimeError(f"layer {self.layer}: rank {self.group.rank} received an expert it does not hold")
-            partial = kernels.fused_moe(
-                recv_rows[:, :D].contiguous(),
-                w_gate_up,
-                w_down,
-                local_ids,
-                recv_rows[:, D:].contiguous(),
-                backend=self.block.backend,
+            partial = self.block.local_experts(  # the block's own expert math (gpt_oss: biases, clamped SwiGLU)
+                recv_rows[:, :D].contiguous(), w_gate_up, w_down, local_ids, recv_rows[:, D:].contiguous()
             )  # [m, D]
             served = valid.sum()
             self._served = served if self._served is None else self._served + served
@@ -309,6 +303,9 @@ class ExpertParallel:
             self.records.clear()
 
 
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # [E, ...] each, sharded
+
+
 def _moe_layers(model: Model) -> list[tuple[int, MoEBlock]]:
     return [(layer.layer, layer.mlp) for layer in model.model.layers if isinstance(layer.mlp, MoEBlock)]
 
@@ -338,9 +335,10 @@ def shard_model(model: Model, group: EPGroup, drop_remote: bool = True) -> Exper
             local_index[held] = torch.arange(len(held))
             ex = block.experts
             dev = ex.gate_up_proj.device
-            with torch.no_grad():
-                ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[held.to(dev)].clone(), requires_grad=False)
-                ex.down_proj = nn.Parameter(ex.down_proj[held.to(dev)].clone(), requires_grad=False)
+            with torch.no_grad():  # the weights and any per-expert bias (gpt_oss), in the same row order
+                for name in EXPERT_TENSORS:
+                    if isinstance(getattr(ex, name, None), torch.Tensor):
+                        setattr(ex, name, nn.Parameter(getattr(ex, name)[held.to(dev)].clone(), requires_grad=False))
         else:
             local_index[held] = held
         fn = ExpertParallelFn(group, placement, layer, local_index, block, records)

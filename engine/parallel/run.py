@@ -28,7 +28,6 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-import kernels
 from engine.models.checkpoint import build_model, init_weights, load_model, save_model
 from engine.models.transformer import Model
 from engine.parallel.ep import EPGroup, init_distributed, shard_model, shutdown_distributed
@@ -100,7 +99,7 @@ def _expert_counts(model: Model, prompts: list[list[int]]) -> torch.Tensor:
 
         def count(h, w_gate_up, w_down, expert_ids, topk_weights, i=i, b=b):
             counts[i] += torch.bincount(expert_ids.reshape(-1), minlength=b.num_experts)
-            return kernels.fused_moe(h, w_gate_up, w_down, expert_ids, topk_weights, backend=b.backend)
+            return b.local_experts(h, w_gate_up, w_down, expert_ids, topk_weights)
 
         b.expert_fn = count
     try:

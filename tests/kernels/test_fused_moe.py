@@ -256,3 +256,57 @@ def test_cuda_matches_ref(dtype: torch.dtype) -> None:
         out, ref = kernels.fused_moe(*args), fused_moe_ref(*args)
         tol = FP32 if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+# ---- gpt_oss: expert biases and the clamped SwiGLU ----
+
+CLAMP = kernels.ClampedSwiGLU(alpha=1.702, limit=0.5)  # a limit the random activations cross in both directions
+
+
+def biased_inputs(T: int, E: int, r: int, D: int = 72, F: int = 40, local_frac: float = 1.0, seed: int = 0):
+    args = make_inputs(T, E, r, D, F, local_frac, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 99)
+    return (*args, torch.randn(E, 2 * F, generator=gen), torch.randn(E, D, generator=gen))
+
+
+def naive_gpt_oss(hidden, w_gate_up, w_down, expert_ids, topk_weights, b_gate_up, b_down, clamp) -> torch.Tensor:
+    """gpt_oss's expert formula read literally, one (token, slot) at a time."""
+    F = w_down.shape[-1]
+    rows = []
+    for t in range(hidden.shape[0]):
+        acc = hidden.new_zeros(hidden.shape[1])
+        for s in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, s])
+            if e < 0:
+                continue
+            h = w_gate_up[e] @ hidden[t] + b_gate_up[e]
+            g, u = h[:F].clamp(max=clamp.limit), h[F:].clamp(-clamp.limit, clamp.limit)
+            acc = acc + topk_weights[t, s] * (w_down[e] @ ((u + 1) * g * torch.sigmoid(clamp.alpha * g)) + b_down[e])
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("T,E,r,local_frac", [(1, 8, 2, 1.0), (7, 16, 4, 0.6), (33, 60, 4, 1.0)])
+def test_ref_biases_and_clamp_match_naive(T, E, r, local_frac) -> None:
+    *args, b_gu, b_dn = biased_inputs(T, E, r, local_frac=local_frac, seed=T + E)
+    want = naive_gpt_oss(*args, b_gu, b_dn, CLAMP)
+    torch.testing.assert_close(fused_moe_ref(*args, b_gu, b_dn, CLAMP), want, **FP32)
+    plain = fused_moe_ref(*args, b_gu, b_dn)  # biases with the plain SiLU: a different function
+    assert not torch.allclose(plain, want)
+
+
+@pytest.mark.parametrize("T,E,r,local_frac", [(1, 8, 2, 1.0), (7, 16, 4, 0.6), (33, 60, 4, 1.0), (2, 8, 4, 0.0)])
+def test_triton_biases_and_clamp_match_ref(triton_cpu: None, T, E, r, local_frac) -> None:
+    *args, b_gu, b_dn = biased_inputs(T, E, r, local_frac=local_frac, seed=T + r)
+    torch.testing.assert_close(fused_moe(*args, b_gu, b_dn, CLAMP), fused_moe_ref(*args, b_gu, b_dn, CLAMP), **FP32)
+    torch.testing.assert_close(fused_moe(*args, clamp=CLAMP), fused_moe_ref(*args, clamp=CLAMP), **FP32)
+
+
+def test_bias_input_is_checked() -> None:
+    *args, b_gu, b_dn = biased_inputs(3, 8, 2)
+    with pytest.raises(ValueError, match="pairs"):
+        fused_moe_ref(*args, b_gu, None)
+    with pytest.raises(ValueError, match="b_gate_up must be"):
+        fused_moe_ref(*args, b_gu[:, :-1], b_dn)
+    with pytest.raises(ValueError, match="dtype and device"):
+        fused_moe_ref(*args, b_gu.double(), b_dn.double())
