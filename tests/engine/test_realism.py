@@ -53,3 +53,27 @@ def test_greedy_path_figures_score_the_generated_tokens():
     assert figures.top_prob == pytest.approx(want_top / 24, rel=1e-5)
     assert figures.entropy == pytest.approx(want_ent / 24, rel=1e-5)
     assert 0.0 <= figures.repeat4 <= 1.0
+
+
+def test_realism_report_entry_point(tmp_path):
+    """`python -m engine.zoo.realism_report` at the smallest budget: JSON, and the table merged into a zoo folder."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engine.paths import REPO_ROOT, zoo_path
+
+    env = {**os.environ, "EXPERTSPEC_ZOO": str(tmp_path / "zoo")}
+    cmd = [sys.executable, "-m", "engine.zoo.realism_report", f"targets=[{zoo_path('tiny-moe')}]", "workloads=[code]",
+           "prompts=1", "new_tokens=8", "zoo_entry=probe", "note=probe note", f"out={tmp_path / 'r.json'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert set(rep["figures"]["tiny-moe"]["code"]) >= {"top_prob", "entropy", "repeat4"}
+    assert rep["ngram_tau"]["tiny-moe"]["code"] >= 1.0
+    assert "probe note" in (tmp_path / "zoo" / "README.md").read_text()
+    assert "probe" in json.loads((tmp_path / "zoo" / "manifest.json").read_text())
+    bad = subprocess.run([*cmd[:3], "workloads=[poetry]"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "unknown workloads" in bad.stderr
