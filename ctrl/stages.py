@@ -70,7 +70,11 @@ def cost_stage(conf: MainConf, index: int, traces=None, position: int = 0) -> tu
     (learned paths, rows, plot data, extras). In a worker process when conf.workers > 1 (`traces` None: the
     cached traces are loaded)."""
     cost = conf.costs[index]
-    traces = traces if traces is not None else record_traces(conf)  # recorded by the parent: from the cache
+    if traces is None:  # a worker process: one intra-op thread, as the parent runs after recording
+        import torch
+
+        torch.set_num_threads(1)
+        traces = record_traces(conf)  # recorded by the parent: from the cache
     learned = learned_policies(conf, traces, cost, position)
     paths = [p for v in learned.values() for p in v]
     n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
