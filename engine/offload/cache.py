@@ -149,22 +149,6 @@ def next_router_predictor(model: Model, top_k: int | None = None) -> Predictor:
     return predict
 
 
-def moe_compute(
-    block: MoEBlock,
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    expert_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The expert compute `MoEBlock.forward` runs without an expert_fn (same dispatch, same kernels):
-    x [T, D], w_gate_up [E', 2F, D], w_down [E', D, F], expert_ids [T, r] rows of the weights (-1 = 0),
-    rows [E'] the expert id of each weight row (None: the block's own storage) -> [T, D]. Per-expert
-    parameters beyond the two weights (gpt_oss's biases) stay resident: `block.local_experts` indexes them."""
-    return block.local_experts(x, w_gate_up, w_down, expert_ids, topk_weights, rows)
-
-
 class _LayerCache:
     """Cache state of one MoE layer."""
 
@@ -480,7 +464,7 @@ class ExpertOffload:
     def _compute(self, layer, x, w_gate_up, w_down, expert_ids, topk_weights, streamed) -> torch.Tensor:
         block = self.blocks[layer]
         if self.mode == "simulate":
-            return moe_compute(block, x, w_gate_up, w_down, expert_ids, topk_weights)
+            return block.local_experts(x, w_gate_up, w_down, expert_ids, topk_weights)  # the block's own expert math
         return self._run_buffer(layer, block, x, expert_ids, topk_weights, streamed)
 
     def _run_buffer(self, layer, block, x, expert_ids, topk_weights, streamed=()) -> torch.Tensor:
@@ -499,7 +483,7 @@ class ExpertOffload:
         rows = None  # the expert of each buffer row: only blocks with per-expert biases (gpt_oss) read it
         if getattr(block.experts, "gate_up_proj_bias", None) is not None:
             rows = self._slot_experts(layer, streamed, buf_gu.shape[0]).to(x.device)  # [C + streamed]
-        out = moe_compute(block, x, buf_gu, buf_dn, self._slot_ids(layer, expert_ids, streamed), topk_weights, rows)
+        out = block.local_experts(x, buf_gu, buf_dn, self._slot_ids(layer, expert_ids, streamed), topk_weights, rows)
         if cuda:
             cache.done_event = torch.cuda.Event()
             cache.done_event.record(torch.cuda.current_stream(self.device))
@@ -519,5 +503,5 @@ class ExpertOffload:
         block = self.blocks[layer]
         if self.mode == "simulate":
             ex = block.experts
-            return moe_compute(block, x, ex.gate_up_proj, ex.down_proj, expert_ids, topk_weights)
+            return block.local_experts(x, ex.gate_up_proj, ex.down_proj, expert_ids, topk_weights)
         return self._run_buffer(layer, block, x, expert_ids, topk_weights)

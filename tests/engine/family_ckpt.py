@@ -4,6 +4,9 @@ weights ~ N(0, 0.2), router rows scaled up (sharp, token-dependent choices) and 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -63,3 +66,35 @@ def cached_logits(model, tokens: list[int], chunks: list[int]) -> torch.Tensor:
             out.append(model.forward_batch(pack([item], model.device), kv).logits)
             done += n
     return torch.cat(out)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **extra)
+
+
+def run_two_ranks(script: str, tmp_path: Path) -> None:
+    """`python -c script RANK STORE` as 2 gloo ranks over a FileStore; both must print OK."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(r), str(tmp_path / "store")], cwd=REPO, env=script_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:  # only the ranks started here
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "OK" in out, out[-3000:]
+
+
+def run_triton_interpreter(script: str) -> None:
+    """`python -c script` with TRITON_INTERPRET=1 (a fresh process: triton reads it at import); must print OK."""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=script_env(TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -4,23 +4,17 @@ single-process torch tokens; virtual EP and the roofline cost model run on its b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from family_ckpt import PROMPTS
+from family_ckpt import PROMPTS, run_triton_interpreter, run_two_ranks
 
 import engine
 from engine.cost.roofline import RooflineCost, load_hardware, model_spec_from_hf_config
 from engine.models.checkpoint import build_model, init_weights
 from engine.offload.cache import ExpertOffload
 from engine.parallel.placement import place_experts
-
-REPO = Path(__file__).resolve().parents[2]
 
 MODEL = textwrap.dedent(
     """
@@ -76,33 +70,14 @@ EP = MODEL + textwrap.dedent(
 )
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **extra)
-
-
 @pytest.mark.dist
 def test_expert_parallel_two_ranks_match_one_process(tmp_path):
-    procs = [
-        subprocess.Popen([sys.executable, "-c", EP, str(r), str(tmp_path / "store")], cwd=REPO, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:  # only the ranks started here
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0 and "OK" in out, out[-3000:]
+    run_two_ranks(EP, tmp_path)
 
 
 @pytest.mark.slow
 def test_triton_interpreter_backend_matches_torch():
-    proc = subprocess.run([sys.executable, "-c", TRITON], cwd=REPO, env=_env(TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_triton_interpreter(TRITON)
 
 
 def _target():

@@ -45,8 +45,9 @@ def make_inputs(
     return (hidden.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), expert_ids, topk_weights.to(dtype))
 
 
-def naive_moe(hidden, w_gate_up, w_down, expert_ids, topk_weights) -> torch.Tensor:
-    """The contract read literally: a loop over tokens and slots (differentiable)."""
+def naive_moe(hidden, w_gate_up, w_down, expert_ids, topk_weights, b_gate_up=None, b_down=None, clamp=None):
+    """The contract read literally: a loop over tokens and slots (differentiable); with biases and `clamp`,
+    gpt_oss's expert formula."""
     F = w_down.shape[-1]
     rows = []
     for t in range(hidden.shape[0]):
@@ -55,8 +56,14 @@ def naive_moe(hidden, w_gate_up, w_down, expert_ids, topk_weights) -> torch.Tens
             e = int(expert_ids[t, s])
             if e < 0:
                 continue
-            gate, up = w_gate_up[e, :F] @ hidden[t], w_gate_up[e, F:] @ hidden[t]
-            acc = acc + topk_weights[t, s] * (w_down[e] @ (F_nn.silu(gate) * up))
+            h = w_gate_up[e] @ hidden[t] + (0 if b_gate_up is None else b_gate_up[e])
+            gate, up = h[:F], h[F:]
+            if clamp is None:
+                act = F_nn.silu(gate) * up
+            else:
+                gate, up = gate.clamp(max=clamp.limit), up.clamp(-clamp.limit, clamp.limit)
+                act = (up + 1) * gate * torch.sigmoid(clamp.alpha * gate)
+            acc = acc + topk_weights[t, s] * (w_down[e] @ act + (0 if b_down is None else b_down[e]))
         rows.append(acc)
     return torch.stack(rows)
 
@@ -269,27 +276,10 @@ def biased_inputs(T: int, E: int, r: int, D: int = 72, F: int = 40, local_frac: 
     return (*args, torch.randn(E, 2 * F, generator=gen), torch.randn(E, D, generator=gen))
 
 
-def naive_gpt_oss(hidden, w_gate_up, w_down, expert_ids, topk_weights, b_gate_up, b_down, clamp) -> torch.Tensor:
-    """gpt_oss's expert formula read literally, one (token, slot) at a time."""
-    F = w_down.shape[-1]
-    rows = []
-    for t in range(hidden.shape[0]):
-        acc = hidden.new_zeros(hidden.shape[1])
-        for s in range(expert_ids.shape[1]):
-            e = int(expert_ids[t, s])
-            if e < 0:
-                continue
-            h = w_gate_up[e] @ hidden[t] + b_gate_up[e]
-            g, u = h[:F].clamp(max=clamp.limit), h[F:].clamp(-clamp.limit, clamp.limit)
-            acc = acc + topk_weights[t, s] * (w_down[e] @ ((u + 1) * g * torch.sigmoid(clamp.alpha * g)) + b_down[e])
-        rows.append(acc)
-    return torch.stack(rows)
-
-
 @pytest.mark.parametrize("T,E,r,local_frac", [(1, 8, 2, 1.0), (7, 16, 4, 0.6), (33, 60, 4, 1.0)])
 def test_ref_biases_and_clamp_match_naive(T, E, r, local_frac) -> None:
     *args, b_gu, b_dn = biased_inputs(T, E, r, local_frac=local_frac, seed=T + E)
-    want = naive_gpt_oss(*args, b_gu, b_dn, CLAMP)
+    want = naive_moe(*args, b_gu, b_dn, CLAMP)
     torch.testing.assert_close(fused_moe_ref(*args, b_gu, b_dn, CLAMP), want, **FP32)
     plain = fused_moe_ref(*args, b_gu, b_dn)  # biases with the plain SiLU: a different function
     assert not torch.allclose(plain, want)
