@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -98,3 +99,70 @@ def run_triton_interpreter(script: str) -> None:
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=script_env(TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+TRITON_CHECK = textwrap.dedent(
+    """
+    ref = engine.Engine(target, backend="torch").generate(prompts, 6)
+    tri = engine.Engine(target, backend="triton").generate(prompts, 6)
+    assert [r.token_ids for r in ref] == [r.token_ids for r in tri], "triton backend changed the tokens"
+    print("OK")
+    """
+)
+
+
+def ep_check(after_shard: str = "") -> str:
+    """The body of a two-rank EP script after a MODEL snippet (defines `target` and `prompts`): target-only and
+    n-gram tree speculation under EP equal the single-process tokens; `after_shard` runs once sharded."""
+    return (
+        textwrap.dedent(
+            """
+        from datetime import timedelta
+        import torch.distributed as dist
+        from engine.parallel.ep import EPGroup, shard_model
+        from engine.parallel.placement import place_experts
+        rank, store = int(sys.argv[1]), sys.argv[2]
+        torch.set_num_threads(1)
+        ref = [r.token_ids for r in engine.Engine(target).generate(prompts, 12)]
+        dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        placement = place_experts(target.config.num_experts, 2, "round_robin", ranks_per_node=1)
+        ep = shard_model(target, EPGroup(rank, 2, placement, 1))
+        """
+        )
+        + textwrap.dedent(after_shard)
+        + textwrap.dedent(
+            """
+        mine = prompts[rank::2]  # different requests per rank: the lockstep idle steps are exercised too
+        out = engine.Engine(target, ep=ep).generate(mine, 12)
+        assert [r.token_ids for r in out] == ref[rank::2], "EP changed the tokens"
+        out = engine.Engine(target, drafter="ngram", ep=ep).generate(mine, 12, spec=engine.SpecConfig(depth=3, width=2))
+        assert [r.token_ids for r in out] == ref[rank::2], "EP speculation changed the tokens"
+        dist.destroy_process_group()
+        print("OK")
+        """
+        )
+    )
+
+
+def check_offload_virtual_ep_and_cost(target) -> None:
+    """Expert offload (2 cached experts per layer) keeps the greedy tokens; virtual EP and the roofline cost model
+    (spec from the HF config) run on the family's routing under n-gram tree speculation, tokens unchanged."""
+    from engine.cost.roofline import RooflineCost, load_hardware, model_spec_from_hf_config
+    from engine.offload.cache import ExpertOffload
+    from engine.parallel.placement import place_experts
+
+    ref = [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 16)]
+    with ExpertOffload(target, 2) as off:
+        assert [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 16)] == ref
+        assert off.stats.misses > 0
+    cfg = target.config
+    placement = place_experts(cfg.num_experts, 2, "contiguous", ranks_per_node=1)
+    cost = RooflineCost(load_hardware("h200"), model_spec_from_hf_config(cfg.raw))
+    eng = engine.Engine(target, drafter="ngram", virtual_ep=placement, cost_model=cost)
+    res = eng.generate(PROMPTS, 16, spec=engine.SpecConfig(depth=3, width=2))
+    assert [r.token_ids for r in res] == ref
+    rounds = [s for r in res for s in r.rounds]
+    assert all(len(s.distinct_experts) == len(cfg.moe_layers) and s.modelled_seconds > 0 for s in rounds)
+    assert all(s.rank_imbalance_max >= 1.0 for s in rounds)
+    assert sum(s.verified_tokens for s in rounds) > len(rounds)

@@ -8,13 +8,15 @@ import textwrap
 
 import pytest
 import torch
-from family_ckpt import PROMPTS, run_triton_interpreter, run_two_ranks
+from family_ckpt import (
+    TRITON_CHECK,
+    check_offload_virtual_ep_and_cost,
+    ep_check,
+    run_triton_interpreter,
+    run_two_ranks,
+)
 
-import engine
-from engine.cost.roofline import RooflineCost, load_hardware, model_spec_from_hf_config
 from engine.models.checkpoint import build_model, init_weights
-from engine.offload.cache import ExpertOffload
-from engine.parallel.placement import place_experts
 
 MODEL = textwrap.dedent(
     """
@@ -35,37 +37,11 @@ MODEL = textwrap.dedent(
     """
 )
 
-TRITON = MODEL + textwrap.dedent(
+TRITON = MODEL + TRITON_CHECK
+EP = MODEL + ep_check(
     """
-    ref = engine.Engine(target, backend="torch").generate(prompts, 6)
-    tri = engine.Engine(target, backend="triton").generate(prompts, 6)
-    assert [r.token_ids for r in ref] == [r.token_ids for r in tri], "triton backend changed the tokens"
-    print("OK")
-    """
-)
-
-EP = MODEL + textwrap.dedent(
-    """
-    from datetime import timedelta
-    import torch.distributed as dist
-    from engine.parallel.ep import EPGroup, shard_model
-    from engine.parallel.placement import place_experts
-    rank, store = int(sys.argv[1]), sys.argv[2]
-    torch.set_num_threads(1)
-    ref = [r.token_ids for r in engine.Engine(target).generate(prompts, 12)]
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    placement = place_experts(target.config.num_experts, 2, "round_robin", ranks_per_node=1)
-    ep = shard_model(target, EPGroup(rank, 2, placement, 1))
     ex = target.moe_blocks[0].experts
     assert ex.gate_up_proj_bias.shape[0] == ex.gate_up_proj.shape[0] == 4, "biases not sharded with their experts"
-    mine = prompts[rank::2]  # different requests per rank: the lockstep idle steps are exercised too
-    out = engine.Engine(target, ep=ep).generate(mine, 12)
-    assert [r.token_ids for r in out] == ref[rank::2], "EP changed the tokens"
-    out = engine.Engine(target, drafter="ngram", ep=ep).generate(mine, 12, spec=engine.SpecConfig(depth=3, width=2))
-    assert [r.token_ids for r in out] == ref[rank::2], "EP speculation changed the tokens"
-    dist.destroy_process_group()
-    print("OK")
     """
 )
 
@@ -96,20 +72,7 @@ def _target():
 def test_offload_virtual_ep_and_modelled_cost_in_process():
     """Expert offload keeps the tokens (biases resident, indexed by expert); virtual EP and the roofline cost
     model (spec from the HF config) run on the biased router's routing."""
-    target = _target()
-    ref = [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 16)]
-    with ExpertOffload(target, 2) as off:
-        assert [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 16)] == ref
-        assert off.stats.misses > 0
-    cfg = target.config
-    placement = place_experts(cfg.num_experts, 2, "contiguous", ranks_per_node=1)
-    cost = RooflineCost(load_hardware("h200"), model_spec_from_hf_config(cfg.raw))
-    eng = engine.Engine(target, drafter="ngram", virtual_ep=placement, cost_model=cost)
-    res = eng.generate(PROMPTS, 16, spec=engine.SpecConfig(depth=3, width=2))
-    assert [r.token_ids for r in res] == ref
-    rounds = [s for r in res for s in r.rounds]
-    assert all(len(s.distinct_experts) == len(cfg.moe_layers) and s.modelled_seconds > 0 for s in rounds)
-    assert all(s.rank_imbalance_max >= 1.0 for s in rounds)
+    check_offload_virtual_ep_and_cost(_target())
 
 
 def test_offload_buffer_rows_pick_each_experts_own_biases():
