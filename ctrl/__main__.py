@@ -5,13 +5,16 @@
     python -m ctrl workloads.prompts=questions.jsonl # + a FastChat JSONL workload
     python -m ctrl wandb.mode=disabled seeds=[0]
     python -m ctrl.evaluate +experiment=regimes      # + offloaded experts and EP over 8 GPUs (on request)
+    python -m ctrl workers=1                         # one process (default 2: recording shards, cost models)
 
 Stages: (1) one trace per workload (train + held-out prompts; cached by content under ~/.cache/expertspec,
 so a second run records nothing); (2) per cost model (roofline H200 × Qwen3-30B-A3B, this machine's measured
 cost), PPO over the training prompts, one frozen policy per seed (cached by what determines it); (3) every
 policy on the held-out prompts: static best (chosen on train / on test), target-only, Cascade, EVICT, UCB,
 DISCO, SGLang adaptive, vLLM table / goodput, PPO, the hindsight oracle; (4) results.json, report.md and
-plots in the run directory (`hydra.run.dir=...`), the headline table printed.
+plots in the run directory (`hydra.run.dir=...`), the headline table printed. With `workers` > 1 the recording
+shares the requests among processes (env.record_pool) and stages (2)–(3) run per cost model side by side
+(ctrl/stages.py); the figures are those of `workers=1` (tested), the measured seconds aside.
 """
 
 from __future__ import annotations
