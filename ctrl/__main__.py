@@ -175,7 +175,7 @@ def main(cfg) -> None:
     summary = run(conf, out_dir.resolve())
     print(headline(summary["rows"]))
     print(f"\nreport: {out_dir.resolve() / 'report.md'}  (results.json, plots/ next to it); "
-          f"{summary['seconds'] / 60:.1f} min")  # fmt: skip
+          f"{summary['seconds'] / 60:.1f} min (recording {summary['record_seconds'] / 60:.1f} min)")  # fmt: skip
 
 
 if __name__ == "__main__":
