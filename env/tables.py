@@ -146,6 +146,8 @@ class PositionReplayer:
         self._orders = {}
         self._cache: dict[tuple, tuple[tuple[int, ...], tuple[float, ...]]] = {}
         self._outcomes: dict[tuple, Outcome] = {}
+        self._draft: dict[tuple, float] = {}  # (drafter forwards, W, expert-aware) -> T_draft at this position
+        self._as_lists: tuple | None = None
 
     def _order(self, width: int) -> np.ndarray:
         o = self._orders.get(width)
@@ -158,15 +160,14 @@ class PositionReplayer:
     def drafted_depth(self, spec: SpecConfig) -> int:
         return min(spec.depth, self.depth_cap) if spec.depth > 0 else 0
 
-    def verified(self, spec: SpecConfig) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """(verified union node indices sorted with the root first, confidence per depth of the grown tree)."""
+    def spec_key(self, spec: SpecConfig) -> tuple:
+        """What of `spec` (besides its drafted depth) decides the verified set; the same at every position, so
+        `build_tables` computes it once per action. Checks the spec is replayable."""
         if spec.frontier not in (None, spec.width):
             raise ValueError(f"the trace recorded frontier = W trees; frontier {spec.frontier} is not replayable")
         if spec.depth > self.trace.kmax:
             raise ValueError(f"depth {spec.depth} exceeds the trace's recorded Kmax {self.trace.kmax}")
-        kd = self.drafted_depth(spec)
-        key = (
-            kd,
+        return (
             spec.width,
             spec.lam > 0,
             spec.lam,
@@ -177,6 +178,12 @@ class PositionReplayer:
             spec.verify_costs if spec.verify_rule == "goodput" else None,
             self._model(spec).digest if spec.verify_rule == "calibrated" else None,
         )
+
+    def verified(self, spec: SpecConfig, skey: tuple | None = None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """(verified union node indices sorted with the root first, confidence per depth of the grown tree);
+        `skey`: `spec_key(spec)` when the caller has it."""
+        kd = self.drafted_depth(spec)
+        key = (kd, *(skey if skey is not None else self.spec_key(spec)))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -187,24 +194,34 @@ class PositionReplayer:
         order = self._order(spec.width)
         grown = order[self.dep[order] <= kd]  # [n] the drafter's node order, root first
         if spec.verify_rule in ("threshold", "calibrated"):  # growth stops below the threshold (TreeGrowth.grow)
-            score = self.pp if spec.verify_rule == "threshold" else self.calibrated(self._model(spec))
-            kept = {0}
-            keep = [0]
-            for j in grown[1:]:
-                if score[j] >= spec.verify_threshold and int(self.par[j]) in kept:
-                    kept.add(int(j))
-                    keep.append(int(j))
+            if spec.verify_rule == "threshold":  # float32 scores: compared in float32, as numpy does (NEP 50)
+                score, thr = self._lists()[3], float(np.float32(spec.verify_threshold))
+            else:
+                score, thr = self.calibrated(self._model(spec)).tolist(), float(spec.verify_threshold)
+            par, dep, cp, _ = self._lists()
+            kept, keep, best = {0}, [0], {}  # best: depth -> largest conditional probability among kept nodes
+            for j in grown[1:].tolist():  # pure Python: ~10x faster than numpy scalar indexing here
+                if score[j] >= thr and par[j] in kept:
+                    kept.add(j)
+                    keep.append(j)
+                    d = dep[j]
+                    if cp[j] > best.get(d, -1.0):
+                        best[d] = cp[j]
             grown = np.asarray(keep, dtype=np.int64)
             confidence = []
             for d in range(1, kd + 1):
-                at = grown[self.dep[grown] == d]
-                if not len(at):
+                if d not in best:
                     break
-                confidence.append(float(np.float32(self.cp[at].max())))
+                confidence.append(best[d])
         else:
             confidence = self.trace.confidence[self.p, self.trace.widths.index(spec.width), :kd].tolist()
         if len(grown) == 1:
             res = ((0,), tuple(confidence))
+            self._cache[key] = res
+            return res
+        expert_aware = spec.lam > 0 and self.pred is not None
+        if not expert_aware and spec.max_verify is None and not (spec.verify_rule == "goodput" and spec.verify_costs):
+            res = (tuple(sorted(grown.tolist())), tuple(confidence))  # select_verified keeps every node
             self._cache[key] = res
             return res
         where = {int(j): i for i, j in enumerate(grown)}
@@ -214,12 +231,19 @@ class PositionReplayer:
             depths=torch.from_numpy(self.dep[grown]),
             path_prob=torch.from_numpy(self.pp[grown].astype(np.float32)),
             confidence=confidence,
-            predicted_experts=torch.from_numpy(self.pred[grown]) if (spec.lam > 0 and self.pred is not None) else None,
+            predicted_experts=torch.from_numpy(self.pred[grown]) if expert_aware else None,
         )
         chosen = select_verified(tree, spec, drafted=False)
         res = (tuple(sorted(chosen.tokens.tolist())), tuple(confidence))
         self._cache[key] = res
         return res
+
+    def _lists(self) -> tuple[list[int], list[int], list[float], list[float]]:
+        """(parent, depth, float32 conditional probability, path probability) of the union nodes as Python lists."""
+        if self._as_lists is None:
+            self._as_lists = (self.par.tolist(), self.dep.tolist(), self.cp.astype(np.float32).tolist(),
+                              self.pp.tolist())  # fmt: skip
+        return self._as_lists
 
     def _model(self, spec: SpecConfig) -> AcceptanceModel:
         model = spec.acceptance if spec.acceptance is not None else self.acceptance
@@ -237,8 +261,8 @@ class PositionReplayer:
             out = self._calibrated[model.digest] = np.asarray(model.tree(ctx, tok, self.par.tolist(), self.cp.tolist()))
         return out
 
-    def outcome(self, spec: SpecConfig) -> Outcome:
-        V, confidence = self.verified(spec)
+    def outcome(self, spec: SpecConfig, skey: tuple | None = None) -> Outcome:
+        V, confidence = self.verified(spec, skey)
         key = (V, confidence)
         o = self._outcomes.get(key)
         if o is not None:
@@ -281,11 +305,18 @@ class PositionReplayer:
         self._outcomes[key] = o
         return o
 
-    def draft_cost(self, spec: SpecConfig, predicts: bool) -> float:
+    def draft_cost(self, spec: SpecConfig, predicts: bool, skey: tuple | None = None) -> float:
         kd = self.drafted_depth(spec)
-        if kd > 0:
-            kd = drafter_steps(kd, self.outcome(spec).built, spec)
-        return self.cost.draft(kd, spec.width, spec.lam > 0 and predicts, self.context) if kd > 0 else 0.0
+        if kd <= 0:
+            return 0.0
+        steps = drafter_steps(kd, self.outcome(spec, skey).built, spec)
+        if steps <= 0:
+            return 0.0
+        key = (steps, spec.width, spec.lam > 0 and predicts)  # many actions draft the same forwards
+        c = self._draft.get(key)
+        if c is None:
+            c = self._draft[key] = self.cost.draft(steps, spec.width, key[2], self.context)
+        return c
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -360,21 +391,25 @@ def build_tables(
     ar, context = np.zeros(P), np.zeros(P, dtype=np.int32)
     rows: list[Outcome] = []
     plain = None  # stateful cost (roofline-offload): the device cache plain decoding holds at this position
+    skeys = None
     for p, rp in replayers(trace, routing, cost, keep_tpe, acceptance):
+        if skeys is None:  # per action, the same at every position
+            skeys = [rp.spec_key(spec) for spec in specs]
         ar[p], context[p] = rp.ar, rp.context
         if cost.stateful and rp.t == 0:
             plain = cost.new_state()
         local: dict[int, int] = {}
         transfer: dict[int, float] = {}
         for a, spec in enumerate(specs):
-            o = rp.outcome(spec)
+            skey = skeys[a]
+            o = rp.outcome(spec, skey)
             g = local.get(id(o))
             if g is None:
                 g = local[id(o)] = len(rows)
                 rows.append(o)
                 if plain is not None:  # the DP's stateless proxy: transfers against plain decoding's cache
                     transfer[g] = cost.transfer(plain.peek(pairs_mask(o.pairs, L, E)))
-            d = rp.draft_cost(spec, predicts)
+            d = rp.draft_cost(spec, predicts, skey)
             outcome[p, a] = g
             draft_pa[p, a] = d
             if plain is None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.parallel.placement import ExpertPlacement, layout_stats
@@ -37,25 +38,27 @@ def round_footprint(
     else:
         ids = torch.stack([e.reshape(e.shape[0], -1) for e in expert_ids], 1).cpu().long()  # [n, L, r]
     L, E = ids.shape[1], num_experts
-    if ids.numel() and int(ids.min()) < 0:
+    a = ids.numpy()  # numpy for the integer bookkeeping: a few µs, where a dozen small torch ops cost ~50
+    if a.size and int(a.min()) < 0:
         raise ValueError("round_footprint takes global expert ids >= 0 (a -1 'not local' id has no expert)")
-    flat = ids + (torch.arange(L) * E).view(1, L, 1)  # (layer, expert) -> layer * E + expert: one bincount
-    counts = torch.bincount(flat.reshape(-1), minlength=L * E).view(L, E)  # [L, E]
+    flat = a + (np.arange(L) * E).reshape(1, L, 1)  # (layer, expert) -> layer * E + expert: one bincount
+    counts = np.bincount(flat.reshape(-1), minlength=L * E).reshape(L, E)  # [L, E] int64
     pairs = counts > 0
     distinct = pairs.sum(1).tolist()
-    total = ids.numel()
-    n = int(ids.shape[0])
+    used = int(pairs.sum())
+    total = a.size
+    n = int(a.shape[0])
     overlap = None
     if prev_pairs is not None:
-        overlap = float((pairs & prev_pairs).sum()) / max(int(pairs.sum()), 1)
+        overlap = float((pairs & prev_pairs.cpu().numpy()).sum()) / max(used, 1)
     new_per_node = 0.0
     if n > 1:
-        root = int((torch.bincount(flat[0].reshape(-1), minlength=L * E) > 0).sum())  # the root's own pairs
-        new_per_node = (int(pairs.sum()) - root) / (n - 1)
+        root = len(np.unique(flat[0]))  # the root's own pairs
+        new_per_node = (used - root) / (n - 1)
     return Footprint(
         distinct_experts=distinct,
-        tokens_per_expert=counts,
-        pairs=pairs,
+        tokens_per_expert=torch.from_numpy(counts),
+        pairs=torch.from_numpy(pairs),
         reuse=1.0 - sum(distinct) / max(total, 1),
         overlap_prev=overlap,
         new_pairs_per_node=new_per_node,
