@@ -45,15 +45,21 @@ for dt, prec in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
     for cfg in {MoeBlockConfig()} | (tuned if dt == "bf16" else set()):
         tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
         tiles.update(DOT_PRECISION=prec, UPCAST=False)
-        gate_up = dict(hidden_ptr="*" + dt, w_gate_up_ptr="*" + dt, inter_ptr="*fp32", sorted_ids_ptr="*i32",
-                       block_expert_ptr="*i32", num_assign=I32, top_r=I32, D=I32, F=I32, stride_ht=I32,
-                       stride_we=I32, stride_wn=I32, stride_wk=I32, stride_it=I32)
-        compile_(_fused_moe_gate_up_kernel, gate_up, tiles, cfg.num_warps, cfg.num_stages)
-        down = dict(inter_ptr="*fp32", w_down_ptr="*" + dt, topk_weights_ptr="*fp32", partial_ptr="*fp32",
-                    sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_assign=I32, D=I32, F=I32,
-                    stride_it=I32, stride_we=I32, stride_wn=I32, stride_wk=I32, stride_pt=I32)
-        compile_(_fused_moe_down_kernel, down, tiles, cfg.num_warps, cfg.num_stages)
-        done += 2
+        # plain SiLU (the bias pointer a placeholder fp32 buffer, as the launcher passes) and gpt_oss's variant
+        for bias, clamp in ((False, False), (True, True)):
+            bias_ptr = "*" + dt if bias else "*fp32"
+            gate_up = dict(hidden_ptr="*" + dt, w_gate_up_ptr="*" + dt, inter_ptr="*fp32", sorted_ids_ptr="*i32",
+                           block_expert_ptr="*i32", bias_ptr=bias_ptr, num_assign=I32, top_r=I32, D=I32, F=I32,
+                           stride_ht=I32, stride_we=I32, stride_wn=I32, stride_wk=I32, stride_it=I32,
+                           stride_be=I32, alpha="fp32", limit="fp32")
+            compile_(_fused_moe_gate_up_kernel, gate_up, {**tiles, "HAS_BIAS": bias, "CLAMP": clamp},
+                     cfg.num_warps, cfg.num_stages)
+            down = dict(inter_ptr="*fp32", w_down_ptr="*" + dt, topk_weights_ptr="*fp32", partial_ptr="*fp32",
+                        sorted_ids_ptr="*i32", block_expert_ptr="*i32", bias_ptr=bias_ptr, num_assign=I32, D=I32,
+                        F=I32, stride_it=I32, stride_we=I32, stride_wn=I32, stride_wk=I32, stride_pt=I32,
+                        stride_be=I32)
+            compile_(_fused_moe_down_kernel, down, {**tiles, "HAS_BIAS": bias}, cfg.num_warps, cfg.num_stages)
+            done += 2
     combine = dict(partial_ptr="*fp32", expert_ids_ptr="*i64", out_ptr="*" + dt, top_r=I32, D=I32,
                    stride_pt=I32, stride_ot=I32)
     compile_(_moe_combine_kernel, combine, dict(BLOCK_D=1024))
