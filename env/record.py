@@ -191,12 +191,12 @@ def _cached(out: Path, key: str, info: ModelInfo) -> Trace | None:
     return None
 
 
-def is_recorded(conf: RecordConf, models: tuple[Any, Any, ModelInfo]) -> bool:
-    """Whether `conf`'s trace is already in the cache (or at conf.out) for these models."""
+def recorded_trace(conf: RecordConf, models: tuple[Any, Any, ModelInfo]) -> Trace | None:
+    """`conf`'s trace if it is already in the cache (or at conf.out) for these models, else None."""
     check_conf(conf)
     target, drafter, info = models
     _, _, key, out = _locate(conf, target, drafter, info)
-    return out.is_file() and _cached(out, key, info) is not None
+    return _cached(out, key, info)
 
 
 def record(

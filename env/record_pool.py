@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from env.models import load_models
-from env.record import RecordConf, is_recorded, record
+from env.record import RecordConf, record, recorded_trace
 from env.trace import Trace
 
 
@@ -52,7 +52,8 @@ def record_many(
         raise ValueError("record_many records one (target, drafter, predictor) triple; got several")
     first = confs[0]
     models = models if models is not None else load_models(first.target, first.drafter, first.predictor)
-    todo = [c for c in confs if not is_recorded(c, models)]
+    found = [recorded_trace(c, models) for c in confs]  # cached traces are loaded once, here
+    todo = [c for c, t in zip(confs, found) if t is None]
     tick = on_position or (lambda: None)
     if workers > 1 and todo:
         ctx = mp.get_context("spawn")  # never fork a process that holds torch's thread pools
@@ -91,4 +92,5 @@ def record_many(
         if failed:
             raise RuntimeError(f"recording workers failed (name, exit code): {failed}; their finished requests are "
                                "kept as shards, and a rerun resumes from them")  # fmt: skip
-    return [record(c, models=models, on_position=on_position) for c in confs]  # merges the shards, or loads
+    # the others: merge their shards (workers > 1) or record them here
+    return [t if t is not None else record(c, models=models, on_position=on_position) for c, t in zip(confs, found)]
