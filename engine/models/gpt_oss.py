@@ -123,7 +123,6 @@ class GptOssMoE(MoEBlock):
         self.gate = nn.Linear(D, E, bias=True)
         self.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * F_))
         self.experts.down_proj_bias = nn.Parameter(torch.zeros(E, D))
-        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.clamp = kernels.ClampedSwiGLU(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
     def local_experts(self, x, w_gate_up, w_down, expert_ids, topk_weights, rows=None) -> torch.Tensor:

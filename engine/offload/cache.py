@@ -440,26 +440,19 @@ class ExpertOffload:
             cache.write_event = torch.cuda.Event()
             cache.write_event.record(stream)
 
-    def _slot_ids(self, layer: int, expert_ids: torch.Tensor, extra: Sequence[int] = ()) -> torch.Tensor:
-        """expert_ids [T, r] -> rows of the device buffer [T, r] (-1 stays -1); `extra` experts get
-        rows C, C+1, ... (the staging rows)."""
+    def _buffer_rows(
+        self, layer: int, expert_ids: torch.Tensor, extra: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device buffer's row of every assignment and the expert of every row, from one pass over the cache:
+        expert_ids [T, r] -> (rows [T, r], -1 stays -1; experts [C + len(extra)], 0 for an empty slot, which no id
+        maps to). `extra` experts get rows C, C+1, ... (the staging rows)."""
         table = torch.full((self.num_experts,), -1, dtype=torch.long)
-        for e, s in self._caches[layer].slot_of.items():
-            table[e] = s
-        for j, e in enumerate(extra):
-            table[e] = self.capacity + j
+        held = torch.zeros(self.capacity + len(extra), dtype=torch.long)
+        for e, s in [*self._caches[layer].slot_of.items(), *((e, self.capacity + j) for j, e in enumerate(extra))]:
+            table[e], held[s] = s, e
         table = table.to(expert_ids.device)
-        return torch.where(expert_ids >= 0, table[expert_ids.clamp(min=0)], expert_ids)
-
-    def _slot_experts(self, layer: int, extra: Sequence[int], rows: int) -> torch.Tensor:
-        """[rows] the expert held in each row of the device buffer (+ staging rows); 0 for an empty slot (never
-        indexed: no expert id maps to it)."""
-        table = torch.zeros(rows, dtype=torch.long)
-        for e, s in self._caches[layer].slot_of.items():
-            table[s] = e
-        for j, e in enumerate(extra):
-            table[self.capacity + j] = e
-        return table
+        rows = torch.where(expert_ids >= 0, table[expert_ids.clamp(min=0)], expert_ids)
+        return rows, held.to(expert_ids.device)
 
     def _compute(self, layer, x, w_gate_up, w_down, expert_ids, topk_weights, streamed) -> torch.Tensor:
         block = self.blocks[layer]
@@ -480,10 +473,8 @@ class ExpertOffload:
             idx = torch.tensor(list(streamed))
             buf_gu = torch.cat([buf_gu, host_gu[idx].to(self.device)])
             buf_dn = torch.cat([buf_dn, host_dn[idx].to(self.device)])
-        rows = None  # the expert of each buffer row: only blocks with per-expert biases (gpt_oss) read it
-        if getattr(block.experts, "gate_up_proj_bias", None) is not None:
-            rows = self._slot_experts(layer, streamed, buf_gu.shape[0]).to(x.device)  # [C + streamed]
-        out = block.local_experts(x, buf_gu, buf_dn, self._slot_ids(layer, expert_ids, streamed), topk_weights, rows)
+        ids, held = self._buffer_rows(layer, expert_ids, streamed)  # held: the expert of each row (gpt_oss's biases)
+        out = block.local_experts(x, buf_gu, buf_dn, ids, topk_weights, held)
         if cuda:
             cache.done_event = torch.cuda.Event()
             cache.done_event.record(torch.cuda.current_stream(self.device))

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 from family_ckpt import (
+    PROMPTS,
     TRITON_CHECK,
     check_offload_virtual_ep_and_cost,
     ep_check,
@@ -16,7 +17,9 @@ from family_ckpt import (
     run_two_ranks,
 )
 
+import engine
 from engine.models.checkpoint import build_model, init_weights
+from engine.offload.cache import ExpertOffload
 
 MODEL = textwrap.dedent(
     """
@@ -91,3 +94,12 @@ def test_offload_buffer_rows_pick_each_experts_own_biases():
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="b_gate_up must be"):  # rows forgotten: all E biases for 3 rows, refused
         block.local_experts(x, ex.gate_up_proj[held], ex.down_proj[held], slot[ids], w)
+
+
+def test_offload_copy_mode_computes_from_the_buffer_with_each_experts_biases():
+    """Copy mode (weights moved to host, a slot-ordered device buffer; runnable on CPU) keeps the greedy tokens."""
+    target = _target()
+    ref = [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 12)]
+    with ExpertOffload(target, 2, mode="copy") as off:
+        assert [r.token_ids for r in engine.Engine(target).generate(PROMPTS, 12)] == ref
+        assert off.stats.misses > 0
