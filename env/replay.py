@@ -54,7 +54,7 @@ from gymnasium import spaces
 
 from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.observation import OBS_DIM, History, observe_history
+from engine.runtime.observation import OBS_DIM, History, observation_vector, observe_history
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
@@ -235,8 +235,7 @@ class ReplayEnv(gym.Env):
         self.total_cost = 0.0
         if self._stateful:
             self._device_cache = self.cost_model.new_state()  # empty at the start of every episode
-        obs = self._observe()
-        return obs.vector(), {"request": req, "position": 0, "prompt_len": self._prompt_len}
+        return self._vector(), {"request": req, "position": 0, "prompt_len": self._prompt_len}
 
     def observation(self):
         """The current `engine.runtime.observation.Observation` (what `obs` is the vector of)."""
@@ -254,6 +253,12 @@ class ReplayEnv(gym.Env):
             top_k=r,
             num_moe_layers=L,
         )
+
+    def _vector(self) -> np.ndarray:
+        """`self._observe().vector()`, computed as the deployed engine computes it (observation_vector)."""
+        L, _, r = self.routing_shape
+        return observation_vector(self._history, position=self.position, max_new_tokens=self.max_new_tokens,
+                                  calibration=self.calibration, top_k=r, num_moe_layers=L)  # fmt: skip
 
     def step(self, action: Any):
         if self.request is None or self.position >= self._T:
@@ -323,7 +328,7 @@ class ReplayEnv(gym.Env):
         done = self.position >= self._T
         terminated = done and self._finish_eos
         truncated = done and not self._finish_eos
-        obs = self._observe().vector()
+        obs = self._vector()
         info = {
             "committed": com,
             "accepted": acc,

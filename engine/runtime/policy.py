@@ -3,6 +3,11 @@
 A policy is a plain callable `obs -> action` (the engine never imports `env` or `ctrl`); `obs` is the
 `engine.runtime.observation.Observation` of the request about to run a round. An action is a
 `SpecConfig`, a mapping of SpecConfig fields, or a (K,), (K, W) or (K, W, λ) sequence / array.
+
+A policy may also offer `act_vector(vector) -> action`, taking `Observation.vector()` [OBS_DIM] instead; the
+session then computes the vector straight from the request's history (`observation_vector`, equal bit for bit)
+without building the Observation, its calibrated block from the policy's `calibration` attribute when that is
+not None, else from the engine's. The frozen learned policy (`engine.runtime.frozen`) does.
 """
 
 from __future__ import annotations

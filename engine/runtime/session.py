@@ -12,9 +12,10 @@ request's tokens and random stream depend only on its own prompt, sampling param
 on the other requests in the batch.
 
 Actions: None -> the session's `spec` (or its `policy`, consulted per request with the request's
-Observation); a list with one action per active request; or a dict {request id: action}, which steps only
-the requests it names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig,
-dict, (K, W, λ)). Every action is validated before any work of the step, so a bad action leaves the session
+Observation, or with its observation vector when the policy has `act_vector`: `engine.runtime.policy`); a
+list with one action per active request; or a dict {request id: action}, which steps only the requests it
+names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)).
+Every action is validated before any work of the step, so a bad action leaves the session
 as it was (`check_action` validates one ahead of time).
 
 Failures are rolled back. An exception during a step's work is re-raised after every request of that step
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from engine.models.kv_cache import KVCacheFull
-from engine.runtime.observation import History, Observation
+from engine.runtime.observation import History, Observation, observation_vector
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
@@ -155,6 +156,20 @@ class Session:
         r = self.requests[request_id]
         return self.engine.observe_request(r, batch_size=len(self._active))
 
+    def _choose(self, r: Any) -> Any:
+        """The policy's action for request `r`'s next round; a policy with `act_vector` gets the observation vector
+        straight from the request's History (its calibrated block from the policy's own map, if it has one)."""
+        act_vector = getattr(self.policy, "act_vector", None)
+        if act_vector is None:
+            return self.policy(self.observation(r.index))
+        eng = self.engine
+        cal = getattr(self.policy, "calibration", None)
+        top_k, layers = eng._obs_model
+        v = observation_vector(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
+                               batch_size=len(self._active), calibration=eng.calibration if cal is None else cal,
+                               top_k=top_k, num_moe_layers=layers)  # fmt: skip
+        return act_vector(v)
+
     def check_action(self, action: Any) -> SpecConfig:
         """`action` as the SpecConfig a step would run, or a ValueError saying why this engine cannot run it."""
         spec = coerce_action(action)
@@ -170,7 +185,7 @@ class Session:
             specs = []
             for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds
                 t0 = time.perf_counter()
-                specs.append(self.check_action(self.policy(self.observation(r.index))))
+                specs.append(self.check_action(self._choose(r)))
                 self._policy_seconds[r.index] = time.perf_counter() - t0
             return active, specs
         if isinstance(actions, Mapping):

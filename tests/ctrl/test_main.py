@@ -160,7 +160,30 @@ def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
         v = rng.random(OBS_DIM).astype(np.float32)
         with torch.no_grad():
             ref = policy.module(torch.from_numpy(v[None]))[0].numpy()
-        np.testing.assert_allclose(policy.logits(v), ref, atol=1e-5, rtol=1e-5)
+        logits = policy.logits(v)
+        np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=1e-5)
+        ends = np.cumsum(policy.nvec)  # the padded one-argmax path == argmax per action dimension
+        assert policy.act_index(v) == tuple(int(logits[e - n : e].argmax()) for n, e in zip(policy.nvec, ends))
+
+
+def test_frozen_policy_vector_path_decides_like_its_observation_path(trained):
+    """What the engine's session calls (act_vector on observation_vector) == act(Observation), on a live run."""
+    _, _, _, path, _ = trained
+    policy = load_frozen_policy(path)
+    target = engine.load_model(zoo_path("tiny-moe"))
+    from engine.workloads import encode, prose_prompts
+
+    eng = engine.Engine(target, drafter=str(zoo_path("eagle-head")), predictor=str(zoo_path("expert-predictor")))
+    sess = eng.start(encode(target.tokenizer, prose_prompts(3), 32), 24, policy=policy)
+    chosen = 0
+    while not sess.done:
+        for rid in sess.active:
+            r = sess.requests[rid]
+            assert sess._choose(r) == policy.act(sess.observation(rid))
+            chosen += 1
+        sess.step()
+    sess.close()
+    assert chosen >= 6
 
 
 def test_deployed_policy_is_exact_in_the_engine(trained):
