@@ -13,8 +13,9 @@ action check — into `RoundStats.policy_seconds`. Reported per batch size, over
     × plain step   median per request-round / the median target-only decode step of the same batch size,
                    measured interleaved in the same run (the cheapest round the engine can run)
 
-and the parts, timed in a loop on one live observation: the observation, the policy call (observation vector,
-calibration, numpy MLP, argmax, action lookup). Not a timed test: figures go to stdout and the JSON.
+and the parts, timed in a loop on one live request: the observation (for the frozen policy its vector straight
+from the request's history, calibration included), the policy call (numpy MLP, argmax, action lookup) and the
+whole choice with the action check. Not a timed test: figures go to stdout and the JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from engine.bench.common import learned_policy
 from engine.bench.configs import BenchConfig
+from engine.runtime.observation import observation_vector
 
 
 def _load(cfg: BenchConfig):
@@ -62,23 +64,30 @@ def _run(eng, prompts: list[list[int]], batch: int, new_tokens: int, policy) -> 
 
 
 def parts(eng, policy, prompt: list[int], new_tokens: int, number: int = 2000) -> dict[str, float]:
-    """Seconds of the observation and of the policy call, timed in a loop after a few rounds of one request."""
+    """Seconds of what a round pays (the choice) and of its parts, timed in a loop after a few rounds of one
+    request: for a policy with `act_vector` (the frozen one) the observation vector and the policy call on it,
+    else the Observation and the policy call on it."""
     sess = eng.start([prompt], new_tokens, policy=policy)
     for _ in range(3):
         if sess.active:
             sess.step()
     rid = sess.active[0] if sess.active else 0
-    obs = sess.observation(rid)
+    req = sess.requests[rid]
 
     def best(f) -> float:
         return min(timeit.repeat(f, number=number, repeat=3)) / number
 
-    out = {
-        "observation": best(lambda: sess.observation(rid)),
-        "policy_call": best(lambda: policy(obs)),
-        "vector": best(obs.vector),
-        "choice": best(lambda: sess.check_action(policy(sess.observation(rid)))),  # what a round pays
-    }
+    if hasattr(policy, "act_vector"):
+        top_k, layers = eng._obs_model
+        ctx = dict(position=len(req.new_tokens), max_new_tokens=req.max_new, calibration=policy.calibration,
+                   top_k=top_k, num_moe_layers=layers)  # fmt: skip
+        v = observation_vector(req.history, **ctx)
+        out = {"observation": best(lambda: observation_vector(req.history, **ctx)),
+               "policy_call": best(lambda: policy.act_vector(v))}  # fmt: skip
+    else:
+        obs = sess.observation(rid)
+        out = {"observation": best(lambda: sess.observation(rid)), "policy_call": best(lambda: policy(obs))}
+    out["choice"] = best(lambda: sess.check_action(sess._choose(req)))  # what a round pays
     sess.close()
     return out
 

@@ -83,16 +83,7 @@ class FrozenPolicy:
     def act_vector(self, vector: np.ndarray) -> SpecConfig:
         """Observation vector [OBS_DIM] (its calibrated block from `self.calibration`) -> SpecConfig: what the
         engine's session calls with `observation_vector`, no Observation built."""
-        m = self._mlp
-        if m is not None:  # act_index inlined: between two rounds every Python call counts
-            x = np.minimum(np.maximum(vector, m.lo), m.hi)
-            for w, b in m.hidden:
-                x = np.dot(w, x)
-                np.tanh(np.add(x, b, out=x), out=x)
-            x = np.add(np.dot(m.w_out, x), m.b_out)
-            idx = tuple(x.reshape(m.dims, -1).argmax(1).tolist())
-        else:
-            idx = self.act_index(vector)
+        idx = self.act_index(vector)
         spec = self._specs.get(idx)
         if spec is None:
             spec = self.grid.spec(idx)

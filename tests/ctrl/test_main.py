@@ -214,7 +214,7 @@ def test_policy_overhead_benchmark_smoke(trained, tmp_path):
     for r in res["rows"]:
         assert r["request_rounds"] >= 2 and r["policy_seconds_median"] > 0 and 0 < r["share_of_wall"] < 1
         assert r["plain_step_seconds_median"] > 0 and r["round_seconds_median"] > 0
-    assert set(res["parts"]) == {"observation", "policy_call", "vector", "choice"}
+    assert set(res["parts"]) == {"observation", "policy_call", "choice"} and min(res["parts"].values()) > 0
     print_policy(res)
     cfg.policy_bench.path = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):
