@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,6 +49,32 @@ _UNGATED_SHARED = ("deepseek_v3", "glm4_moe")  # hub `mlp.shared_experts.*` <-> 
 
 class CheckpointError(ValueError):
     """A checkpoint folder whose weights do not match its config."""
+
+
+def check_state(
+    state: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    what: str = "weights",
+    error: type[Exception] = CheckpointError,
+    ignore: Callable[[str], bool] = lambda key: False,
+    name: Callable[[str], str] = lambda key: key,
+) -> None:
+    """Every `expected` tensor (meta tensors of the module to load) is in `state` with its shape, and nothing else
+    is (keys `ignore` accepts aside); else `error`, "{path}: {what} missing [...]; unexpected [...]" (first 8 of each,
+    in checkpoint names via `name`) or "{path}: shape mismatch for <key>", before any weight is loaded."""
+
+    def first(keys: list[str]) -> str:
+        return f"{[name(k) for k in keys[:8]]}{'...' if len(keys) > 8 else ''}"
+
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(k for k in set(state) - set(expected) if not ignore(k))
+    if missing or unexpected:
+        raise error(f"{path}: {what} missing {first(missing)}; unexpected {first(unexpected)}")
+    for key, meta in expected.items():
+        if tuple(state[key].shape) != tuple(meta.shape):
+            raise error(f"{path}: shape mismatch for {name(key)}: checkpoint "
+                        f"{tuple(state[key].shape)}, config implies {tuple(meta.shape)}")  # fmt: skip
 
 
 def read_weights(cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
@@ -186,19 +212,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: weights missing {missing[:8]}{'...' if len(missing) > 8 else ''}; "
-            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
-    for key, meta in expected.items():
-        if tuple(state[key].shape) != tuple(meta.shape):
-            raise CheckpointError(
-                f"{path}: shape mismatch for {key}: checkpoint {tuple(state[key].shape)}, "
-                f"config implies {tuple(meta.shape)}"
-            )
+    check_state(state, expected, path, ignore=lambda k: k.endswith("rotary_emb.inv_freq"))
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from engine.models.checkpoint import check_state
 from engine.models.config import ModelConfig, parse_config
 from engine.models.kv_cache import PagedKVCache
 from engine.models.layers import RMSNorm, sign_sin
@@ -227,13 +228,7 @@ def load_eagle3_head(path: str | os.PathLike, target: Model) -> tuple[Eagle3Head
     with torch.device("meta"):
         head = Eagle3Head(cfg)
     expected = head.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise Eagle3Error(f"{path}: EAGLE-3 weights missing {missing[:8]}; unexpected {unexpected[:8]}")
-    for key, meta in expected.items():
-        if tuple(state[key].shape) != tuple(meta.shape):
-            raise Eagle3Error(f"{path}: shape mismatch for {key}: checkpoint {tuple(state[key].shape)}, config "
-                              f"implies {tuple(meta.shape)}")  # fmt: skip
+    check_state(state, expected, path, "EAGLE-3 weights", Eagle3Error)
     head = head.to_empty(device=target.device)
     head.load_state_dict({k: v if k in ("d2t", "t2d") else v.to(target.dtype) for k, v in state.items()})
     return head.to(target.dtype).eval().requires_grad_(False), capture

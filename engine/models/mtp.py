@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.checkpoint import CheckpointError, _to_internal, read_weights, split_extra_layers
+from engine.models.checkpoint import CheckpointError, _to_internal, check_state, read_weights, split_extra_layers
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import PagedKVCache
 from engine.models.layers import RMSNorm, sign_sin
@@ -140,16 +140,8 @@ def load_checkpoint_mtp(target: Model, path: str | os.PathLike | None = None) ->
     state.setdefault("shared_head.head.weight", target.lm_head.weight.detach())  # optional copies
     state.setdefault("embed_tokens.weight", target.model.embed_tokens.weight.detach())
 
-    def hub(names) -> list[str]:  # back to checkpoint names (stacked experts keep our stacked name)
-        return [prefix + k.removeprefix("block.") for k in names][:8]
-
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: MTP module weights missing {hub(missing)}; unexpected {hub(unexpected)}")
-    for key, meta in expected.items():
-        if tuple(state[key].shape) != tuple(meta.shape):
-            raise CheckpointError(f"{path}: shape mismatch for {hub([key])[0]}: checkpoint {tuple(state[key].shape)}, "
-                                  f"config implies {tuple(meta.shape)}")  # fmt: skip
+    check_state(state, expected, path, "MTP module weights",  # in checkpoint names (stacked experts: our name)
+                name=lambda k: prefix + k.removeprefix("block."))  # fmt: skip
     module = module.to_empty(device=target.device)
     module.load_state_dict({k: v.to(target.dtype) for k, v in state.items()})
     return module.to(target.dtype).eval().requires_grad_(False)
