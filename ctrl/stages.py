@@ -3,7 +3,7 @@
     learned = learned_policies(conf, traces, cost)     # {learner: [frozen policy folders]}, cached by content
     stages  = run_cost_stages(conf, traces)            # [(learned, rows, plot data, extras)] per cost model
 
-With conf.workers > 1 the cost models run side by side in spawned processes (each loads the cached traces);
+With conf.workers > 1 the cost models run side by side in spawned processes (the traces are sent to them);
 a cost model that evaluates another's policies (`policies_from`) runs in a second wave, after them.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ctrl.config import MainConf
-from ctrl.pipeline import evaluate, record_traces, train
+from ctrl.pipeline import evaluate, train
 from engine.paths import cache_dir
 
 POLICY_CACHE_VERSION = 3  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card)
@@ -65,16 +65,15 @@ def learned_policies(conf: MainConf, traces, cost, position: int = 0) -> dict[st
     return learned
 
 
-def cost_stage(conf: MainConf, index: int, traces=None, position: int = 0) -> tuple:
+def cost_stage(conf: MainConf, index: int, traces, position: int = 0, worker: bool = False) -> tuple:
     """Train (or reuse) the learned policies under conf.costs[index] and evaluate every policy under it:
-    (learned paths, rows, plot data, extras). In a worker process when conf.workers > 1 (`traces` None: the
-    cached traces are loaded)."""
+    (learned paths, rows, plot data, extras). In a worker process when conf.workers > 1 (`traces` pickled to it:
+    plain arrays, a few MB per workload, so no model is loaded there)."""
     cost = conf.costs[index]
-    if traces is None:  # a worker process: one intra-op thread, as the parent runs after recording
+    if worker:  # one intra-op thread each, as the parent runs after recording
         import torch
 
         torch.set_num_threads(1)
-        traces = record_traces(conf)  # recorded by the parent: from the cache
     learned = learned_policies(conf, traces, cost, position)
     paths = [p for v in learned.values() for p in v]
     n_eval = len(traces) * (len(conf.policies) + 4 + len(paths))
@@ -95,6 +94,6 @@ def run_cost_stages(conf: MainConf, traces) -> list[tuple]:
              [i for i, c in enumerate(conf.costs) if c.policies_from]]  # fmt: skip
     with ProcessPoolExecutor(max_workers=min(conf.workers, n), mp_context=mp.get_context("spawn")) as pool:
         for wave in waves:
-            futures = {i: pool.submit(cost_stage, conf, i, None, k % conf.workers) for k, i in enumerate(wave)}
+            futures = {i: pool.submit(cost_stage, conf, i, traces, k % conf.workers, True) for k, i in enumerate(wave)}
             out.update({i: f.result() for i, f in futures.items()})
     return [out[i] for i in range(n)]
