@@ -24,8 +24,7 @@ import torch
 
 from engine.bench.common import hf_generate
 from engine.bench.configs import BoundShape
-from engine.models.batching import chain_item, pack
-from engine.models.kv_cache import PagedKVCache
+from engine.cost.verify_curve import CachedChain
 
 
 def measure_bandwidth(mb: int = 512, repeats: int = 5) -> dict:
@@ -94,23 +93,15 @@ def weight_bytes(model, distinct_total: float) -> tuple[float, float]:
 @torch.inference_mode()
 def _verify_times(model, n: int, context: int, repeats: int) -> tuple[float, list[float]]:
     """Median seconds of one cached forward over n chain tokens after `context` cached ones, and U_l."""
-    cfg = model.config
-    total, bs = context + n, 16
-    kv = PagedKVCache.for_model(cfg, -(-total // bs), bs, model.dtype, model.device)
-    kv.add_sequence(0)
-    kv.reserve(0, total)
-    slots = kv.slots(0, range(total))
-    toks = torch.randint(0, cfg.vocab_size, (total,), generator=torch.Generator().manual_seed(n))
-    model.forward_batch(pack([chain_item(toks[:context], slots[:0], slots[:context])], model.device), kv)
-    batch = pack([chain_item(toks[context:], slots[:context], slots[context:])], model.device)
-    out = model.forward_batch(batch, kv, record_routing=True)
-    distinct = [float(ids.unique().numel()) for ids in out.routing.expert_ids]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model.forward_batch(batch, kv)
-        times.append(time.perf_counter() - t0)
-    kv.release(0)
+    with CachedChain(model, context, n, seed=n) as chain:
+        batch = chain.batch(n)
+        out = model.forward_batch(batch, chain.kv, record_routing=True)
+        distinct = [float(ids.unique().numel()) for ids in out.routing.expert_ids]
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.forward_batch(batch, chain.kv)
+            times.append(time.perf_counter() - t0)
     return statistics.median(times), distinct
 
 

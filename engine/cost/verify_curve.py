@@ -20,34 +20,56 @@ import torch
 
 from engine.models.batching import chain_item, pack
 from engine.models.kv_cache import PagedKVCache
-from engine.models.transformer import Model
+from engine.models.transformer import ForwardBatch, Model
+
+
+class CachedChain:
+    """One sequence's paged KV cache holding `context` random tokens (seeded), and the ForwardBatch of the next
+    n <= max_new chain tokens after them: what a verification forward of n tokens runs. `close()` (or `with`)
+    releases the cache."""
+
+    @torch.inference_mode()
+    def __init__(self, model: Model, context: int, max_new: int, seed: int = 0, block_size: int = 16) -> None:
+        cfg = model.config
+        total = context + max_new
+        self.model, self.context = model, context
+        self.kv = PagedKVCache.for_model(cfg, -(-total // block_size), block_size, model.dtype, model.device)
+        self.kv.add_sequence(0)
+        self.kv.reserve(0, total)
+        self.slots = self.kv.slots(0, range(total))
+        self.tokens = torch.randint(0, cfg.vocab_size, (total,), generator=torch.Generator().manual_seed(seed))
+        model.forward_batch(pack([chain_item(self.tokens[:context], self.slots[:0], self.slots[:context])],
+                                 model.device), self.kv)  # fmt: skip
+
+    def batch(self, n: int) -> ForwardBatch:
+        """The next n chain tokens [n] as one request's ForwardBatch (reading the context, writing past it)."""
+        c, s = self.context, self.slots
+        return pack([chain_item(self.tokens[c : c + n], s[:c], s[c : c + n])], self.model.device)
+
+    def close(self) -> None:
+        self.kv.release(0)
+
+    def __enter__(self) -> CachedChain:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @torch.inference_mode()
 def cached_verify_curve(model: Model, sizes: list[int], repeats: int = 3, context: int = 128) -> list[dict]:
     """Median seconds of one cached target forward over n new chain tokens after `context` cached tokens,
     and T(n)/T(sizes[0]): rows {"tokens": n, "seconds": s, "ratio": s / s_0}."""
-    cfg = model.config
-    total = context + max(sizes)
-    bs = 16
-    kv = PagedKVCache.for_model(cfg, -(-total // bs), bs, model.dtype, model.device)
-    kv.add_sequence(0)
-    kv.reserve(0, total)
-    slots = kv.slots(0, range(total))
-    gen = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, cfg.vocab_size, (total,), generator=gen)
-    model.forward_batch(pack([chain_item(toks[:context], slots[:0], slots[:context])], model.device), kv)
     rows = []
-    for n in sizes:
-        item = chain_item(toks[context : context + n], slots[:context], slots[context : context + n])
-        batch = pack([item], model.device)
-        times = []
-        for _ in range(max(repeats, 3) * 3):
-            t0 = time.perf_counter()
-            model.forward_batch(batch, kv)
-            times.append(time.perf_counter() - t0)
-        rows.append({"tokens": n, "seconds": statistics.median(times)})
-    kv.release(0)
+    with CachedChain(model, context, max(sizes)) as chain:
+        for n in sizes:
+            batch = chain.batch(n)
+            times = []
+            for _ in range(max(repeats, 3) * 3):
+                t0 = time.perf_counter()
+                model.forward_batch(batch, chain.kv)
+                times.append(time.perf_counter() - t0)
+            rows.append({"tokens": n, "seconds": statistics.median(times)})
     base = rows[0]["seconds"]
     for r in rows:
         r["ratio"] = r["seconds"] / base
