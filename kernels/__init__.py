@@ -4,7 +4,8 @@
     out = fused_moe(hidden, w_gate_up, w_down, expert_ids, topk_weights)   # [T, D]
 
 Dispatch happens here and only here: backend="auto" takes Triton for CUDA tensors and the torch
-reference for CPU tensors (and whenever autograd must flow, since the Triton path is forward-only);
+reference for CPU tensors, with its per-expert matmuls on the C++ small-M kernel (`kernels.small_m`, F.linear
+where it does not apply), and the plain reference whenever autograd must flow (the Triton path is forward-only);
 "torch" / "triton" force one. Triton on CPU tensors runs in the Triton interpreter and needs
 TRITON_INTERPRET=1 in the environment before triton is imported (the kernel tests do this).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import small_m
 from kernels.fused_moe import ClampedSwiGLU, MoeBlockConfig, fused_moe_ref, get_config
 from kernels.fused_moe import fused_moe as fused_moe_triton
 from kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
@@ -64,7 +66,9 @@ def fused_moe(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     args = (hidden, w_gate_up, w_down, expert_ids, topk_weights, b_gate_up, b_down, clamp)
     if backend == "auto":
-        backend = "triton" if hidden.is_cuda and not _needs_grad(hidden, w_gate_up, w_down, topk_weights) else "torch"
+        if not hidden.is_cuda:  # the reference's algorithm, its matmuls on the CPU small-M kernel where it applies
+            return fused_moe_ref(*args, linear=small_m.linear)
+        backend = "triton" if not _needs_grad(hidden, w_gate_up, w_down, topk_weights) else "torch"
     if backend == "torch":
         return fused_moe_ref(*args)
     if _needs_grad(hidden, w_gate_up, w_down, topk_weights):

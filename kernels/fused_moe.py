@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,10 +133,12 @@ def fused_moe_ref(
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     clamp: ClampedSwiGLU | None = None,
+    linear: Callable[..., torch.Tensor] = F_nn.linear,
 ) -> torch.Tensor:
     """Pure-torch MoE expert compute: hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F],
     expert_ids [T, r] (-1 = not local), topk_weights [T, r] -> [T, D] in hidden's dtype; optional expert
-    biases b_gate_up [E, 2F], b_down [E, D] and gpt_oss's clamped activation (module docstring).
+    biases b_gate_up [E, 2F], b_down [E, D] and gpt_oss's clamped activation (module docstring). `linear`:
+    the per-expert matmul (F.linear; `kernels.fused_moe` passes the CPU small-M kernel, `kernels.small_m`).
 
     One matmul pair per *active* expert on its gathered tokens; no per-token loop, inactive experts are
     never touched. Differentiable w.r.t. hidden, both weights and topk_weights; accumulates in fp32
@@ -159,13 +162,13 @@ def fused_moe_ref(
         if n == 0:
             continue
         bias_gu, bias_dn = (None, None) if b_gate_up is None else (b_gate_up[e].to(acc_dtype), b_down[e].to(acc_dtype))
-        gate, up = F_nn.linear(x[start : start + n], w_gate_up[e].to(acc_dtype), bias_gu).chunk(2, dim=-1)  # [n, F]
+        gate, up = linear(x[start : start + n], w_gate_up[e].to(acc_dtype), bias_gu).chunk(2, dim=-1)  # [n, F]
         if clamp is None:
             act = F_nn.silu(gate) * up
         else:
             gate, up = gate.clamp(max=clamp.limit), up.clamp(-clamp.limit, clamp.limit)
             act = (up + 1) * gate * torch.sigmoid(gate * clamp.alpha)
-        ys.append(F_nn.linear(act, w_down[e].to(acc_dtype), bias_dn))  # [n, D]
+        ys.append(linear(act, w_down[e].to(acc_dtype), bias_dn))  # [n, D]
         start += n
     weights = topk_weights.reshape(-1).index_select(0, assign).to(acc_dtype)  # [A_local]
     y = (ys[0] if len(ys) == 1 else torch.cat(ys)) * weights[:, None]

@@ -23,4 +23,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install --quiet -e ".[test]"
+# build the CPU small-M kernel once now (~30 s; kernels/small_m.py), so no later run pays for it; never fatal
+python -c "from kernels import small_m; print('CPU small-M kernel:', small_m.status())" || true
 touch "$STAMP"

@@ -32,7 +32,6 @@ hd=head dim D=hidden E=experts F=expert dim r=top-r.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -41,6 +40,7 @@ from engine.models.layers import apply_rope, apply_rope_signed, pad_queries, unp
 from engine.models.moe import MoEBlock, RoutingRecord
 from engine.models.routing import budget_dropped
 from engine.timing import PhaseTimer, maybe_phase
+from kernels.small_m import linear
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
 
@@ -108,7 +108,7 @@ class GptOssAttention(nn.Module):
             near = (q_pos[:, :, None] - kv.positions[batch.read_slots][:, None, :]) < self.window  # [B, Tq, S]
             mask = near if mask is None else mask & near
         out = sink_attention(pad_queries(q, batch), keys, values, mask, self.sinks, self.scale)  # [B, Tq, H*hd]
-        return F.linear(unpad_queries(out, batch), self.o_proj.weight, self.o_proj.bias)
+        return linear(unpad_queries(out, batch), self.o_proj.weight, self.o_proj.bias)
 
 
 # ---------------------------------------------------------------------------------------------- experts

@@ -35,6 +35,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm, apply_rope, apply_rope_signed, pad_queries, unpad_queries
 from engine.models.rope import deinterleave, mla_softmax_scale
+from kernels.small_m import linear
 
 _LORA_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
 
@@ -104,4 +105,4 @@ class MLAttention(nn.Module):
         )  # [B, H, Tq, r]
         o_lat = unpad_queries(o_lat.transpose(1, 2), batch)  # [N, H, r]
         out = torch.einsum("nhr,hvr->nhv", o_lat, w[:, dn:])  # [N, H, dv]
-        return F.linear(out.reshape(N, H * dv), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(N, H * dv), self.o_proj.weight, self.o_proj.bias)

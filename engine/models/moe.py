@@ -29,6 +29,7 @@ import kernels
 from engine.models.layout import preferred_layout
 from engine.models.routing import budget_dropped, sigmoid_group_topk
 from engine.timing import PhaseTimer, maybe_phase
+from kernels.small_m import linear
 
 # hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r], topk_weights [T, r] -> [T, D]
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,7 +70,7 @@ class DenseMLP(nn.Module):
         if torch.is_grad_enabled() or self.gate_proj.bias is not None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # inference: gate and up projections in one matmul
-        h = F.linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]))
+        h = linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]))
         inter = self.gate_proj.weight.shape[0]
         return F.linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight)
 
@@ -180,7 +181,7 @@ class MoEBlock(nn.Module):
             if torch.is_grad_enabled():
                 router_logits, topk_weights, expert_ids = self.route(x, None, expert_budget)
             else:  # inference: router and shared-expert input projections in one matmul
-                proj = F.linear(x, self._fused_input())
+                proj = linear(x, self._fused_input())
                 E = self.num_experts
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
@@ -251,7 +252,7 @@ def _single_token_experts(
     for e, w in zip(expert_ids[0].tolist(), topk_weights[0].tolist()):
         if e < 0:
             continue
-        h = F.linear(x, gu[e])  # [1, 2F], the expert's weights read in place
+        h = linear(x, gu[e])  # [1, 2F], the expert's weights read in place
         out.addmm_(F.silu(h[:, :F_]) * h[:, F_:], down[e].t(), alpha=w)  # out += w * down(act), one op
     return out
 

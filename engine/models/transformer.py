@@ -34,6 +34,7 @@ from engine.models.mla import MLAttention
 from engine.models.moe import DenseMLP, MoEBlock, RoutingRecord, fused_weight, load_balancing_loss
 from engine.models.rope import rope_table
 from engine.timing import PhaseTimer, maybe_phase
+from kernels.small_m import linear
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -127,7 +128,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w, b = self._fused_qkv()
-        proj = F.linear(x, w, b)  # [N, (H + 2Hkv) hd]
+        proj = linear(x, w, b)  # [N, (H + 2Hkv) hd]
         if cfg.qk_norm == "none" and cfg.clip_qkv is None:
             heads = proj.view(x.shape[0], H + 2 * Hkv, hd)
             qk = apply_rope_signed(heads[:, : H + Hkv], cos, sin_signed)
@@ -175,7 +176,7 @@ class Attention(nn.Module):
             out = out.reshape(B * Tq, -1)[unpad_index(batch)]
         else:
             out = out[0]
-        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -332,6 +333,6 @@ class Model(nn.Module):
         captured[len(self.model.layers)] = h
         with maybe_phase(timer, "lm_head"):
             hidden = self.model.norm.forward(h)
-            logits = F.linear(hidden, self.lm_head.weight)
+            logits = linear(hidden, self.lm_head.weight)
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h, features=features)

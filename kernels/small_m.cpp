@@ -1,0 +1,93 @@
+// Small-M fp32 linear for CPU decode and verification: y[M, N] = x[M, K] @ wt[K, N] (+ bias), M <= 16.
+//
+// wt is the weight stored input-major ([in, out] rows contiguous: engine.models.layout). Its rows are swept in
+// memory order, U = 4 at a time, once per block of <= 8 rows, so the weight streams close to the read bandwidth;
+// y[m, n] starts at bias[n] (or 0) and accumulates x[m, k] * wt[k, n] over k in order with one FMA each, so a
+// row's result has the same bits whatever M is (batch-invariant). AVX-512F; the loader (small_m.py) checks the CPU.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxBlock = 8;  // rows per sweep
+constexpr int64_t kMaxRows = 16;
+
+template <int M>
+void sweep(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
+           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int U = 4;
+  const int64_t full = n0 + (n1 - n0) / kLanes * kLanes;  // [n0, full) whole vectors, [full, n1) one masked
+  const __mmask16 tail = (__mmask16)((1u << (n1 - full)) - 1u);
+  for (int64_t n = n0; n < n1; n += kLanes) {
+    const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + n, mk, b);
+  }
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    const float* w0 = wt + k * ldw;
+    for (int64_t n = n0; n < n1; n += kLanes) {
+      const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
+      __m512 wv[U];
+      for (int u = 0; u < U; ++u) wv[u] = _mm512_maskz_loadu_ps(mk, w0 + u * ldw + n);
+      for (int m = 0; m < M; ++m) {
+        __m512 acc = _mm512_maskz_loadu_ps(mk, y + m * ldy + n);
+        for (int u = 0; u < U; ++u) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k + u]), wv[u], acc);
+        _mm512_mask_storeu_ps(y + m * ldy + n, mk, acc);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const float* w0 = wt + k * ldw;
+    for (int64_t n = n0; n < n1; n += kLanes) {
+      const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
+      const __m512 wv = _mm512_maskz_loadu_ps(mk, w0 + n);
+      for (int m = 0; m < M; ++m) {
+        __m512 acc = _mm512_maskz_loadu_ps(mk, y + m * ldy + n);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), wv, acc);
+        _mm512_mask_storeu_ps(y + m * ldy + n, mk, acc);
+      }
+    }
+  }
+}
+
+using SweepFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
+                         int64_t, int64_t);
+constexpr SweepFn kSweeps[] = {sweep<1>, sweep<2>, sweep<3>, sweep<4>, sweep<5>, sweep<6>, sweep<7>, sweep<8>};
+
+}  // namespace
+
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && x.size(1) == wt.size(0), "x [M, K] and wt [K, N] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(x.stride(1) == 1 && wt.stride(1) == 1, "x and wt rows must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = wt.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "1 <= M <= 16 rows");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "bias [N] fp32 contiguous");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t vectors = (N + kLanes - 1) / kLanes;
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxBlock) {  // blocks of <= 8 rows, each a sweep of the weight
+    const int64_t rows = std::min<int64_t>(kMaxBlock, M - m0);
+    const SweepFn fn = kSweeps[rows - 1];
+    const float* xb = xp + m0 * x.stride(0);
+    float* yb = yp + m0 * N;
+    at::parallel_for(0, vectors, 32, [&](int64_t v0, int64_t v1) {
+      fn(xb, x.stride(0), wp, wt.stride(0), K, b, yb, N, v0 * kLanes, std::min(N, v1 * kLanes));
+    });
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_m_linear", &small_m_linear, "y[M, N] = x[M, K] @ wt[K, N] (+ bias), 1 <= M <= 16, fp32");
+}

@@ -1,0 +1,100 @@
+"""The CPU small-M kernel (kernels.small_m) against its reference twin F.linear, and the engine with it on / off."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine
+import kernels
+from engine.models.layout import input_major
+from engine.paths import zoo_path
+from kernels import small_m
+
+pytestmark = pytest.mark.skipif(small_m.load() is None, reason=f"small-M kernel {small_m.status()}")
+
+
+@contextlib.contextmanager
+def kernel_off():
+    """Every `small_m.linear` falls back to F.linear inside the block."""
+    saved = dict(small_m._state)
+    small_m._state.update(module=None, status="off (test)")
+    try:
+        yield
+    finally:
+        small_m._state.update(saved)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("N, K", [(16, 32), (17, 33), (1029, 256), (256, 512), (3, 5)])
+def test_equals_f_linear_and_is_batch_invariant(M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    w = input_major(torch.randn(N, K, generator=g))
+    x, b = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    for bias in (None, b):
+        assert small_m.supports(x, w, bias)
+        y, ref = small_m.linear(x, w, bias), F.linear(x, w, bias)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        for m in range(M):  # a row's bits do not depend on the rows it shares the call with
+            assert torch.equal(small_m.linear(x[m : m + 1], w, bias)[0], y[m])
+
+
+def test_falls_back_where_it_does_not_apply():
+    w = torch.randn(64, 32)  # row-major [out, in]: not the kernel's layout
+    x = torch.randn(2, 32)
+    assert not small_m.supports(x, w)
+    assert not small_m.supports(torch.randn(17, 32), input_major(w))  # more than 16 rows
+    assert not small_m.supports(x.double(), input_major(w).double())
+    wg = input_major(w).requires_grad_(True)
+    assert not small_m.supports(x, wg)
+    y = small_m.linear(x, wg)
+    y.sum().backward()  # F.linear: autograd flows
+    assert wg.grad is not None
+    assert torch.equal(small_m.linear(x, w), F.linear(x, w))
+    x3 = torch.randn(2, 3, 32)
+    assert torch.equal(small_m.linear(x3, input_major(w)), F.linear(x3, input_major(w)))
+    with kernel_off():
+        assert not small_m.supports(x, input_major(w))
+
+
+def test_cpu_fused_moe_uses_it_and_matches_the_reference():
+    g = torch.Generator().manual_seed(0)
+    T, D, E, F_, r = 6, 64, 8, 48, 2
+    hidden = torch.randn(T, D, generator=g)
+    gu, down = input_major(torch.randn(E, 2 * F_, D, generator=g)), input_major(torch.randn(E, D, F_, generator=g))
+    ids = torch.randint(0, E, (T, r), generator=g)
+    wts = torch.rand(T, r, generator=g)
+    ref = kernels.fused_moe_ref(hidden, gu, down, ids, wts)
+    torch.testing.assert_close(kernels.fused_moe(hidden, gu, down, ids, wts), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_engine_logits_and_greedy_tokens_with_and_without_it():
+    """Same logits to 1e-5 and the same greedy tokens, target-only and speculative, kernel on and off."""
+    from engine.workloads import code_prompts, encode
+
+    target = engine.load_model(zoo_path("tiny-moe"))
+    ids = torch.tensor([list(range(5, 40))])
+    with torch.inference_mode():
+        on = target.logits(ids)
+        with kernel_off():
+            off = target.logits(ids)
+    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
+    from engine.cost.verify_curve import CachedChain
+
+    for n in (1, 4, 16):  # decode and verification forwards: every matmul has <= 16 rows, the kernel's range
+        with CachedChain(target, 24, n, seed=n) as chain, torch.inference_mode():
+            batch = chain.batch(n)
+            on = target.forward_batch(batch, chain.kv).logits
+            with kernel_off():
+                off = target.forward_batch(batch, chain.kv).logits
+        torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
+    prompts = encode(target.tokenizer, code_prompts(2), 32)
+    eng = engine.Engine(target, drafter="ngram")
+    spec = engine.SpecConfig(depth=4, width=2)
+    on_tokens = [[r.token_ids for r in eng.generate(prompts, 24, spec=s)] for s in (None, spec)]
+    with kernel_off():
+        off_tokens = [[r.token_ids for r in eng.generate(prompts, 24, spec=s)] for s in (None, spec)]
+    assert on_tokens[0] == on_tokens[1] == off_tokens[0] == off_tokens[1]
