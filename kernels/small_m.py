@@ -3,8 +3,9 @@
     from kernels.small_m import linear
     y = linear(x, w, b)      # == F.linear(x, w, b) [M, N]; the kernel when `supports(x, w, b)`, else F.linear
 
-Why: a decode or verification forward multiplies 1-16 token rows by each weight. MKL reads a weight at 19-25 GB/s
-for M = 1 but at only 5-13 GB/s for M = 2..8 on the development CPU (README, issue 12). This kernel sweeps the
+Why: a verification forward (or a batched decode step) multiplies 2-16 token rows by each weight. MKL reads a
+weight at 19-25 GB/s for M = 1 but at only 5-13 GB/s for M = 2..16 on the development CPU (README, issue 12); one
+row stays on MKL's gemv, which is as fast. This kernel sweeps the
 input-major weight ([in, out] in memory, `engine.models.layout`) in memory order, once per block of <= 8 rows
 (M <= 16), and keeps y[m, n] = bias[n] + Σ_k x[m, k] · w[n, k] summed over k in order, so a row's bits do not
 depend on how many rows share the call (batch-invariant), and differ from MKL's by ~1e-6 relative (tested).
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 16
+MIN_ROWS, MAX_ROWS = 2, 16  # one row: MKL's gemv is as fast (README), and the call costs less
 _SOURCE = Path(__file__).with_name("small_m.cpp")
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "status": None}
@@ -61,11 +62,11 @@ def status() -> str:
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-    """Whether `linear` takes the kernel: CPU fp32, no autograd, x [M <= 16, K] with contiguous rows, w [N, K]
+    """Whether `linear` takes the kernel: CPU fp32, no autograd, x [2 <= M <= 16, K] with contiguous rows, w [N, K]
     stored input-major (w.t() contiguous), bias None or contiguous fp32, and the extension on."""
     return (
         x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
+        and MIN_ROWS <= x.shape[0] <= MAX_ROWS
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and w.dtype == torch.float32
