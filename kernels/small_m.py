@@ -17,8 +17,10 @@ compiler is found, or when the build fails; `status()` says which, and everythin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 MIN_ROWS, MAX_ROWS = 2, 16  # one row: MKL's gemv is as fast (README), and the call costs less
 _SOURCE = Path(__file__).with_name("small_m.cpp")
+_NAME = "expertspec_small_m"  # the build folder under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR moves it)
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "status": None}
 
@@ -37,13 +40,22 @@ def _build() -> tuple[Any, str]:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None, f"off (CPU capability {torch.backends.cpu.get_cpu_capability()}, needs AVX512)"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils import cpp_extension
 
-        module = load("expertspec_small_m", [str(_SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"],
-                      verbose=False)  # fmt: skip
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(_NAME, False)))
+        module = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
     except Exception as err:  # no compiler / ninja, or a failed build: F.linear everywhere
         return None, f"off (build failed: {type(err).__name__}: {str(err).splitlines()[0][:200]})"
     return module, "on (AVX-512)"
+
+
+def _clear_stale_lock(build_dir: Path, older_than_s: float = 600.0) -> None:
+    """Remove a build lock left by a build that was killed (torch would wait on it forever); a build takes ~30 s,
+    so a lock older than `older_than_s` has no live owner."""
+    lock = build_dir / "lock"
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > older_than_s:
+            lock.unlink()
 
 
 def load() -> Any:

@@ -99,3 +99,31 @@ def test_engine_logits_and_greedy_tokens_with_and_without_it():
     with kernel_off():
         off_tokens = [[r.token_ids for r in eng.generate(prompts, 24, spec=s)] for s in (None, spec)]
     assert on_tokens[0] == on_tokens[1] == off_tokens[0] == off_tokens[1]
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path):
+    """A lock left by a killed build would make torch wait forever: one older than the threshold is removed."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    small_m._clear_stale_lock(tmp_path)
+    assert lock.exists()  # fresh: a build may own it
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    small_m._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    small_m._clear_stale_lock(tmp_path)  # no lock: nothing to do
+
+
+def test_switched_off_by_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kernels import small_m; import torch; "
+            "print(small_m.status(), small_m.supports(torch.ones(2, 4), torch.ones(4, 4).t()))")
+    env = {**os.environ, "EXPERTSPEC_SMALL_M": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "off (EXPERTSPEC_SMALL_M=0) False"
