@@ -18,6 +18,7 @@ compiler is found, or when the build fails; `status()` says which, and everythin
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 import time
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 
 MIN_ROWS, MAX_ROWS = 2, 16  # one row: MKL's gemv is as fast (README), and the call costs less
 _SOURCE = Path(__file__).with_name("small_m.cpp")
-_NAME = "expertspec_small_m"  # the build folder under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR moves it)
+# the build folder under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR moves it), one per checkout: two checkouts
+# sharing one folder would rebuild it (~30 s) each time the other one loaded it
+_NAME = "expertspec_small_m_" + hashlib.sha256(str(_SOURCE.resolve()).encode()).hexdigest()[:10]
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "status": None}
 
