@@ -29,7 +29,6 @@ from engine.models import gpt_oss
 from engine.models.config import ModelConfig, load_config, parse_config
 from engine.models.layout import use_decode_layout
 from engine.models.transformer import Model
-from kernels import small_m
 
 _EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
@@ -221,8 +220,6 @@ def load_model(
     model = model.to(dtype=dtype)
     model.eval().requires_grad_(False)
     use_decode_layout(model)  # CPU weights stored [in, out]: gemv at the read bandwidth (engine.models.layout)
-    if model.lm_head.weight.device.type == "cpu" and dtype == torch.float32:
-        small_m.load()  # the CPU small-M kernel loaded now, not lazily mid-forward (EP ranks would stagger on it)
     model.path = str(path)
     tok = path / "tokenizer.json"
     if tok.is_file():
