@@ -17,63 +17,24 @@ compiler is found, or when the build fails; `status()` says which, and everythin
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-import threading
-import time
-from pathlib import Path
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
+from kernels.cpp_build import CppExtension, clear_stale_lock
+
 MIN_ROWS, MAX_ROWS = 2, 16  # one row: MKL's gemv is as fast (README), and the call costs less
-_SOURCE = Path(__file__).with_name("small_m.cpp")
-# the build folder under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR moves it), one per checkout: two checkouts
-# sharing one folder would rebuild it (~30 s) each time the other one loaded it
-_NAME = "expertspec_small_m_" + hashlib.sha256(str(_SOURCE.resolve()).encode()).hexdigest()[:10]
-_lock = threading.Lock()
-_state: dict[str, Any] = {"module": None, "status": None}
 
 
-def _build() -> tuple[Any, str]:
-    if os.environ.get("EXPERTSPEC_SMALL_M", "1") == "0":
-        return None, "off (EXPERTSPEC_SMALL_M=0)"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None, f"off (CPU capability {torch.backends.cpu.get_cpu_capability()}, needs AVX512)"
-    try:
-        from torch.utils import cpp_extension
-
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(_NAME, False)))
-        module = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
-    except Exception as err:  # no compiler / ninja, or a failed build: F.linear everywhere
-        return None, f"off (build failed: {type(err).__name__}: {str(err).splitlines()[0][:200]})"
-    return module, "on (AVX-512)"
+def _needs_avx512() -> str | None:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return None if cap == "AVX512" else f"CPU capability {cap}, needs AVX512"
 
 
-def _clear_stale_lock(build_dir: Path, older_than_s: float = 600.0) -> None:
-    """Remove a build lock left by a build that was killed (torch would wait on it forever); a build takes ~30 s,
-    so a lock older than `older_than_s` has no live owner."""
-    lock = build_dir / "lock"
-    with contextlib.suppress(OSError):
-        if time.time() - lock.stat().st_mtime > older_than_s:
-            lock.unlink()
-
-
-def load() -> Any:
-    """The compiled extension (built on first call), or None when it is off (see `status`)."""
-    if _state["status"] is None:
-        with _lock:
-            if _state["status"] is None:
-                _state["module"], _state["status"] = _build()
-    return _state["module"]
-
-
-def status() -> str:
-    """'on (AVX-512)' or 'off (<why>)' (builds the extension if that has not been tried yet)."""
-    load()
-    return _state["status"]
+_EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3", "-mavx512f", "-mfma"), _needs_avx512, "on (AVX-512)")
+_state = _EXT.state  # {"module", "status"}
+load = _EXT.load  # the compiled extension (built on the first call), or None when it is off
+status = _EXT.status  # 'on (AVX-512)' or 'off (<why>)'
+_clear_stale_lock = clear_stale_lock
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:

@@ -23,6 +23,8 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install --quiet -e ".[test]"
-# build the CPU small-M kernel once now (~30 s; kernels/small_m.py), so no later run pays for it; never fatal
+# build the C++ CPU extensions once now (~45 s: kernels/small_m.py, kernels/tanh_mlp.py), so no later run pays for
+# them; never fatal (their Python twins run without them)
 python -c "from kernels import small_m; print('CPU small-M kernel:', small_m.status())" || true
+python -c "from kernels import tanh_mlp; print('C++ policy actor:', tanh_mlp.status())" || true
 touch "$STAMP"

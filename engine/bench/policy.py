@@ -13,8 +13,8 @@ action check — into `RoundStats.policy_seconds`. Reported per batch size, over
     × plain step   median per request-round / the median target-only decode step of the same batch size,
                    measured interleaved in the same run (the cheapest round the engine can run)
 
-and the parts, timed in a loop on one live request: the observation (for the frozen policy its vector straight
-from the request's history, calibration included), the policy call (numpy MLP, argmax, action lookup) and the
+and the parts, timed in a loop on one live request: the observation (for the frozen policy its values straight
+from the request's history, calibration included), the policy call (C++ or numpy MLP, argmax, action lookup) and the
 whole choice with the action check. Not a timed test: figures go to stdout and the JSON.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.bench.common import learned_policy
 from engine.bench.configs import BenchConfig
-from engine.runtime.observation import observation_vector
+from engine.runtime.observation import observation_values
 
 
 def _load(cfg: BenchConfig):
@@ -65,7 +65,7 @@ def _run(eng, prompts: list[list[int]], batch: int, new_tokens: int, policy) -> 
 
 def parts(eng, policy, prompt: list[int], new_tokens: int, number: int = 2000) -> dict[str, float]:
     """Seconds of what a round pays (the choice) and of its parts, timed in a loop after a few rounds of one
-    request: for a policy with `act_vector` (the frozen one) the observation vector and the policy call on it,
+    request: for a policy with `act_vector` (the frozen one) the observation values and the policy call on them,
     else the Observation and the policy call on it."""
     sess = eng.start([prompt], new_tokens, policy=policy)
     for _ in range(3):
@@ -81,8 +81,8 @@ def parts(eng, policy, prompt: list[int], new_tokens: int, number: int = 2000) -
         top_k, layers = eng._obs_model
         ctx = dict(position=len(req.new_tokens), max_new_tokens=req.max_new, calibration=policy.calibration,
                    top_k=top_k, num_moe_layers=layers)  # fmt: skip
-        v = observation_vector(req.history, **ctx)
-        out = {"observation": best(lambda: observation_vector(req.history, **ctx)),
+        v = observation_values(req.history, **ctx)
+        out = {"observation": best(lambda: observation_values(req.history, **ctx)),
                "policy_call": best(lambda: policy.act_vector(v))}  # fmt: skip
     else:
         obs = sess.observation(rid)

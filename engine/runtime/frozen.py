@@ -25,9 +25,10 @@ import torch
 
 from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.observation import KMAX, OBS_DIM, OBS_FIELDS, OBS_SIGNATURE, Observation
+from engine.runtime.observation import KMAX, OBS_DIM, OBS_FIELDS, OBS_SIGNATURE, Observation, as_vector
 from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
+from kernels import tanh_mlp
 
 FORMAT = "expertspec-policy-v1"
 CAL_SLICE = slice(OBS_FIELDS.index("confidence_cal_last_1"), OBS_FIELDS.index(f"confidence_cal_last_{KMAX}") + 1)
@@ -52,37 +53,42 @@ class FrozenPolicy:
         ends = np.cumsum(self.nvec)
         self._slices = [(int(e - n), int(e)) for n, e in zip(self.nvec, ends)]
         self._specs: dict[tuple[int, ...], SpecConfig] = {}
-        self._mlp = _numpy_mlp(module, card.get("mlp"), self.nvec)
+        self._mlp = m = _numpy_mlp(module, card.get("mlp"), self.nvec)
+        # the C++ twin of the numpy actor (kernels.tanh_mlp): one call between two rounds instead of a dozen
+        self._native = tanh_mlp.actor(m.lo, m.hi, [*m.hidden, (m.w_out, m.b_out)], m.dims) if m else None
         if self.nvec != self.grid.nvec:
             raise ValueError(f"frozen policy: nvec {self.nvec} does not match its action grid {self.grid.nvec}")
 
-    def act_index(self, vector: np.ndarray) -> tuple[int, ...]:
-        """Observation vector [OBS_DIM] -> action indices (argmax per MultiDiscrete dimension)."""
+    def act_index(self, vector: np.ndarray | list[float]) -> tuple[int, ...]:
+        """Observation vector [OBS_DIM] (or its values, `observation_values`) -> action indices (argmax per
+        MultiDiscrete dimension)."""
+        if self._native is not None:  # the C++ actor: one call
+            return self._native.act(vector if isinstance(vector, list) else np.asarray(vector).tolist())
         if self._mlp is not None:  # padded logits [D, max n]: one argmax for every dimension
             return tuple(self._mlp_logits(vector).reshape(self._mlp.dims, -1).argmax(1).tolist())
         logits = self.logits(vector)
         return tuple(int(logits[a:b].argmax()) for a, b in self._slices)
 
-    def logits(self, vector: np.ndarray) -> np.ndarray:
+    def logits(self, vector: np.ndarray | list[float]) -> np.ndarray:
         """Action logits [sum(nvec)]: the numpy twin of the TorchScript actor when it is a plain MLP."""
         if self._mlp is not None:
             return self._mlp_logits(vector)[self._mlp.keep]
-        x = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32).reshape(1, -1))
+        x = torch.from_numpy(as_vector(vector).reshape(1, -1))
         with torch.no_grad():
             return self.module(x)[0].numpy()
 
-    def _mlp_logits(self, vector: np.ndarray) -> np.ndarray:
+    def _mlp_logits(self, vector: np.ndarray | list[float]) -> np.ndarray:
         """Padded logits [D * max n] of the numpy twin (_NumpyMLP), padding at -inf."""
         m = self._mlp
-        x = np.minimum(np.maximum(vector, m.lo), m.hi)  # float32 -> float64, normalisation clip in input space
+        x = np.minimum(np.maximum(as_vector(vector), m.lo), m.hi)  # -> float64, the normalisation clip in input space
         for w, b in m.hidden:
             x = np.dot(w, x)
             np.tanh(np.add(x, b, out=x), out=x)
         return np.add(np.dot(m.w_out, x), m.b_out)
 
-    def act_vector(self, vector: np.ndarray) -> SpecConfig:
-        """Observation vector [OBS_DIM] (its calibrated block from `self.calibration`) -> SpecConfig: what the
-        engine's session calls with `observation_vector`, no Observation built."""
+    def act_vector(self, vector: np.ndarray | list[float]) -> SpecConfig:
+        """Observation vector [OBS_DIM] or its values (its calibrated block from `self.calibration`) -> SpecConfig:
+        what the engine's session calls with `observation_values`, no Observation built."""
         idx = self.act_index(vector)
         spec = self._specs.get(idx)
         if spec is None:
@@ -116,8 +122,9 @@ class _NumpyMLP:
     ([lo, hi] = mean ∓ clip·std) and the affine map into the first layer; the output layer is padded to
     [D · max n] rows with -inf biases so one argmax answers every action dimension. Between two engine rounds
     (caches cold) every numpy call costs a few µs, and float64 gemv of these sizes is ~3x faster than float32
-    there. The logits equal the float32 TorchScript actor's to ~1e-6 (tested); the engine and the environments
-    both act through this twin, so their decisions are the same."""
+    there. The logits equal the float32 TorchScript actor's to ~1e-6 (tested). It is the reference twin of the C++
+    actor (kernels.tanh_mlp, same decisions: tested); the engine and the environments both act through the C++ one
+    when it is built, else through this one, so their decisions are the same."""
 
     lo: np.ndarray  # [OBS_DIM]
     hi: np.ndarray  # [OBS_DIM]

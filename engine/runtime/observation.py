@@ -163,7 +163,7 @@ class History:
         self.last = s
 
 
-def observation_vector(
+def observation_values(
     h: History,
     *,
     position: int,
@@ -173,9 +173,10 @@ def observation_vector(
     top_k: int = 0,
     num_moe_layers: int = 0,
 ) -> np.ndarray:
-    """`observe_history(h, ...).vector()` [OBS_DIM] float32 straight from the History, equal bit for bit (tested),
-    without building the Observation: a deployed policy's path between two rounds, where every Python step runs
-    several times slower than in a warm loop (engine.bench policy)."""
+    """The OBS_DIM values of `observe_history(h, ...).vector()` as a list of floats straight from the History,
+    before its float32 rounding and [0, 1] clip (`as_vector`), without building the Observation or calling numpy: a
+    deployed policy's path between two rounds, where every numpy call starts with cold caches (engine.bench
+    policy)."""
     s = h.last
     v = list(h.acc)
     if s is None:
@@ -210,8 +211,19 @@ def observation_vector(
     v.append(math.log2(max(batch_size, 1)) / 8.0)
     v.append(depth / KMAX)
     v.append(1.0 if h.rounds == 0 else 0.0)
-    x = np.array(v, dtype=np.float32)
+    return v
+
+
+def as_vector(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Observation values -> the observation vector [OBS_DIM] float32 clipped to [0, 1] (idempotent)."""
+    x = np.array(values, dtype=np.float32)
     return np.minimum(np.maximum(x, 0.0, out=x), 1.0, out=x)
+
+
+def observation_vector(h: History, **context: Any) -> np.ndarray:
+    """`observe_history(h, ...).vector()` [OBS_DIM] float32 straight from the History, equal bit for bit (tested);
+    `context` as `observation_values`."""
+    return as_vector(observation_values(h, **context))
 
 
 _ZEROS_2K = (0.0,) * (2 * KMAX)

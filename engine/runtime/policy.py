@@ -4,10 +4,11 @@ A policy is a plain callable `obs -> action` (the engine never imports `env` or 
 `engine.runtime.observation.Observation` of the request about to run a round. An action is a
 `SpecConfig`, a mapping of SpecConfig fields, or a (K,), (K, W) or (K, W, λ) sequence / array.
 
-A policy may also offer `act_vector(vector) -> action`, taking `Observation.vector()` [OBS_DIM] instead; the
-session then computes the vector straight from the request's history (`observation_vector`, equal bit for bit)
-without building the Observation, its calibrated block from the policy's `calibration` attribute when that is
-not None, else from the engine's. The frozen learned policy (`engine.runtime.frozen`) does.
+A policy may also offer `act_vector(values) -> action`, taking the observation vector instead: either
+`Observation.vector()` [OBS_DIM] or its values before the float32 rounding and [0, 1] clip (`as_vector`, idempotent),
+which is what the session passes: `observation_values`, computed straight from the request's history without
+building the Observation or calling numpy, its calibrated block from the policy's `calibration` attribute when that
+is not None, else from the engine's. The frozen learned policy (`engine.runtime.frozen`) does.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from engine.models.kv_cache import KVCacheFull
-from engine.runtime.observation import History, Observation, observation_vector
+from engine.runtime.observation import History, Observation, observation_values
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
@@ -157,15 +157,15 @@ class Session:
         return self.engine.observe_request(r, batch_size=len(self._active))
 
     def _choose(self, r: Any) -> Any:
-        """The policy's action for request `r`'s next round; a policy with `act_vector` gets the observation vector
-        straight from the request's History (its calibrated block from the policy's own map, if it has one)."""
+        """The policy's action for request `r`'s next round; a policy with `act_vector` gets the observation vector's
+        values straight from the request's History (its calibrated block from the policy's own map, if it has one)."""
         act_vector = getattr(self.policy, "act_vector", None)
         if act_vector is None:
             return self.policy(self.observation(r.index))
         eng = self.engine
         cal = getattr(self.policy, "calibration", None)
         top_k, layers = eng._obs_model
-        v = observation_vector(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
+        v = observation_values(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
                                batch_size=len(self._active), calibration=eng.calibration if cal is None else cal,
                                top_k=top_k, num_moe_layers=layers)  # fmt: skip
         return act_vector(v)

@@ -18,7 +18,7 @@ from ctrl.config import AlgoConf, MainConf, WandbConf
 from ctrl.pipeline import check_conf, fit_acceptance_model, grid_of, replay_env, split
 from engine.paths import zoo_path
 from engine.runtime.frozen import load_frozen_policy
-from engine.runtime.observation import OBS_DIM
+from engine.runtime.observation import OBS_DIM, as_vector
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {"static-best-train", "static-best-test", "cascade", "evict", "ucb", "disco", "sglang-adaptive",
@@ -164,6 +164,24 @@ def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
         np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=1e-5)
         ends = np.cumsum(policy.nvec)  # the padded one-argmax path == argmax per action dimension
         assert policy.act_index(v) == tuple(int(logits[e - n : e].argmax()) for n, e in zip(policy.nvec, ends))
+
+
+def test_frozen_policy_native_actor_decides_like_its_numpy_twin(trained):
+    """The C++ actor (kernels.tanh_mlp) the engine and the env act through == the numpy twin, on the observation
+    vector and on its raw values (what the session passes)."""
+    from kernels import tanh_mlp
+
+    if tanh_mlp.load() is None:
+        pytest.skip(f"C++ actor {tanh_mlp.status()}")
+    policy = load_frozen_policy(path := trained[3])
+    assert policy._native is not None, path
+    m, rng = policy._mlp, np.random.default_rng(1)
+    for i in range(200):
+        v = rng.random(OBS_DIM) if i % 2 else rng.normal(0.5, 1.0, OBS_DIM)  # raw values may leave [0, 1]
+        twin = policy._mlp_logits(v)
+        np.testing.assert_allclose(policy._native.logits(v.tolist()), twin, rtol=1e-12, atol=1e-12)
+        want = tuple(twin.reshape(m.dims, -1).argmax(1).tolist())
+        assert policy.act_index(v.tolist()) == policy.act_index(as_vector(v)) == want
 
 
 def test_frozen_policy_vector_path_decides_like_its_observation_path(trained):

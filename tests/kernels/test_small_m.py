@@ -122,8 +122,10 @@ def test_switched_off_by_the_environment():
     import subprocess
     import sys
 
-    code = ("from kernels import small_m; import torch; "
-            "print(small_m.status(), small_m.supports(torch.ones(2, 4), torch.ones(4, 4).t()))")
+    code = (
+        "from kernels import small_m; import torch; "
+        "print(small_m.status(), small_m.supports(torch.ones(2, 4), torch.ones(4, 4).t()))"
+    )
     env = {**os.environ, "EXPERTSPEC_SMALL_M": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "off (EXPERTSPEC_SMALL_M=0) False"

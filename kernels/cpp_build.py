@@ -1,0 +1,78 @@
+"""Build and load one of the C++ CPU extensions (`small_m.cpp`, `tanh_mlp.cpp`) once per process, never fatally.
+
+    ext = CppExtension("small_m", "EXPERTSPEC_SMALL_M", cflags=("-O3", "-mavx512f"), needs=avx512)
+    module = ext.load()      # the compiled module, or None when it is off
+    ext.status()             # 'on (...)' or 'off (<why>)'
+
+`torch.utils.cpp_extension` compiles the source on first use and caches it under ~/.cache/torch_extensions
+(TORCH_EXTENSIONS_DIR moves it), in one folder per checkout: the folder name carries a hash of the source path, since
+two checkouts sharing one folder would rebuild it each time the other one loaded it. An extension is off when its
+environment switch is "0", when `needs()` names a missing CPU feature, when no compiler or ninja is found, or when the
+build fails; its Python twin then runs everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class CppExtension:
+    """One C++ source next to this file, built on the first `load()` (thread-safe), its outcome in `state`."""
+
+    def __init__(
+        self,
+        stem: str,
+        switch: str,
+        cflags: tuple[str, ...] = ("-O3",),
+        needs: Callable[[], str | None] = lambda: None,
+        on: str = "on",
+    ) -> None:
+        self.source = Path(__file__).with_name(f"{stem}.cpp")
+        self.name = f"expertspec_{stem}_" + hashlib.sha256(str(self.source.resolve()).encode()).hexdigest()[:10]
+        self.switch, self.cflags, self.needs, self.on = switch, list(cflags), needs, on
+        self.state: dict[str, Any] = {"module": None, "status": None}
+        self._lock = threading.Lock()
+
+    def _build(self) -> tuple[Any, str]:
+        if os.environ.get(self.switch, "1") == "0":
+            return None, f"off ({self.switch}=0)"
+        missing = self.needs()
+        if missing:
+            return None, f"off ({missing})"
+        try:
+            from torch.utils import cpp_extension
+
+            clear_stale_lock(Path(cpp_extension._get_build_directory(self.name, False)))
+            module = cpp_extension.load(self.name, [str(self.source)], extra_cflags=self.cflags, verbose=False)
+        except Exception as err:  # no compiler / ninja, or a failed build: the Python twin everywhere
+            return None, f"off (build failed: {type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        return module, self.on
+
+    def load(self) -> Any:
+        """The compiled extension (built on the first call), or None when it is off (see `status`)."""
+        if self.state["status"] is None:
+            with self._lock:
+                if self.state["status"] is None:
+                    self.state["module"], self.state["status"] = self._build()
+        return self.state["module"]
+
+    def status(self) -> str:
+        """'on (...)' or 'off (<why>)' (builds the extension if that has not been tried yet)."""
+        self.load()
+        return self.state["status"]
+
+
+def clear_stale_lock(build_dir: Path, older_than_s: float = 600.0) -> None:
+    """Remove a build lock left by a build that was killed (torch would wait on it forever); a build takes under a
+    minute, so a lock older than `older_than_s` has no live owner."""
+    lock = build_dir / "lock"
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > older_than_s:
+            lock.unlink()
