@@ -1,6 +1,7 @@
-"""Build and load one of the C++ CPU extensions (`small_m.cpp`, `tanh_mlp.cpp`) once per process, never fatally.
+"""Build and load one C++ CPU extension (`small_m.cpp`, `cpu_decode.cpp`, `tanh_mlp.cpp`) once per process, never
+fatally.
 
-    ext = CppExtension("small_m", "EXPERTSPEC_SMALL_M", cflags=("-O3", "-mavx512f"), needs=avx512)
+    ext = CppExtension("small_m", "EXPERTSPEC_SMALL_M", cflags=("-O3", "-mavx512f"), needs=needs_avx512)
     module = ext.load()      # the compiled module, or None when it is off
     ext.status()             # 'on (...)' or 'off (<why>)'
 
@@ -67,6 +68,14 @@ class CppExtension:
         """'on (...)' or 'off (<why>)' (builds the extension if that has not been tried yet)."""
         self.load()
         return self.state["status"]
+
+
+def needs_avx512() -> str | None:
+    """None on an AVX-512 CPU (as torch detects it), else why not: the `needs` of the AVX-512 extensions."""
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    return None if cap == "AVX512" else f"CPU capability {cap}, needs AVX512"
 
 
 def clear_stale_lock(build_dir: Path, older_than_s: float = 600.0) -> None:

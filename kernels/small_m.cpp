@@ -8,54 +8,15 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "sweep.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxBlock = 8;  // rows per sweep
+using expertspec::kLanes;
+using expertspec::kMaxBlock;
+using expertspec::kSweeps;
+using expertspec::SweepFn;
 constexpr int64_t kMaxRows = 16;
-
-template <int M>
-void sweep(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
-           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int U = 4;
-  const int64_t full = n0 + (n1 - n0) / kLanes * kLanes;  // [n0, full) whole vectors, [full, n1) one masked
-  const __mmask16 tail = (__mmask16)((1u << (n1 - full)) - 1u);
-  for (int64_t n = n0; n < n1; n += kLanes) {
-    const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + n, mk, b);
-  }
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    const float* w0 = wt + k * ldw;
-    for (int64_t n = n0; n < n1; n += kLanes) {
-      const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
-      __m512 wv[U];
-      for (int u = 0; u < U; ++u) wv[u] = _mm512_maskz_loadu_ps(mk, w0 + u * ldw + n);
-      for (int m = 0; m < M; ++m) {
-        __m512 acc = _mm512_maskz_loadu_ps(mk, y + m * ldy + n);
-        for (int u = 0; u < U; ++u) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k + u]), wv[u], acc);
-        _mm512_mask_storeu_ps(y + m * ldy + n, mk, acc);
-      }
-    }
-  }
-  for (; k < K; ++k) {
-    const float* w0 = wt + k * ldw;
-    for (int64_t n = n0; n < n1; n += kLanes) {
-      const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
-      const __m512 wv = _mm512_maskz_loadu_ps(mk, w0 + n);
-      for (int m = 0; m < M; ++m) {
-        __m512 acc = _mm512_maskz_loadu_ps(mk, y + m * ldy + n);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), wv, acc);
-        _mm512_mask_storeu_ps(y + m * ldy + n, mk, acc);
-      }
-    }
-  }
-}
-
-using SweepFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
-                         int64_t, int64_t);
-constexpr SweepFn kSweeps[] = {sweep<1>, sweep<2>, sweep<3>, sweep<4>, sweep<5>, sweep<6>, sweep<7>, sweep<8>};
 
 }  // namespace
 

@@ -20,17 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpp_build import CppExtension, clear_stale_lock
+from kernels.cpp_build import CppExtension, clear_stale_lock, needs_avx512
 
 MIN_ROWS, MAX_ROWS = 2, 16  # one row: MKL's gemv is as fast (README), and the call costs less
 
-
-def _needs_avx512() -> str | None:
-    cap = torch.backends.cpu.get_cpu_capability()
-    return None if cap == "AVX512" else f"CPU capability {cap}, needs AVX512"
-
-
-_EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3", "-mavx512f", "-mfma"), _needs_avx512, "on (AVX-512)")
+_EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3", "-mavx512f", "-mfma"), needs_avx512, "on (AVX-512)")
 _state = _EXT.state  # {"module", "status"}
 load = _EXT.load  # the compiled extension (built on the first call), or None when it is off
 status = _EXT.status  # 'on (AVX-512)' or 'off (<why>)'

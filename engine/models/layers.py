@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_decode
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -26,6 +28,15 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def add_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, norm(h + delta)) for rows h [N, D] (delta None: h itself): one fused C++ call on CPU fp32
+    (`kernels.cpu_decode`), else the torch ops."""
+    if h.dim() == 2 and norm.weight.dtype == torch.float32 and cpu_decode.applies(h):
+        return cpu_decode.add_rms_norm(h, delta, norm.weight, norm.eps)
+    h = h if delta is None else h + delta
+    return h, norm.forward(h)
 
 
 def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import kernels
 from engine.models.layout import preferred_layout
 from engine.models.routing import budget_dropped, sigmoid_group_topk
 from engine.timing import PhaseTimer, maybe_phase
+from kernels import cpu_decode
 from kernels.small_m import linear
 
 # hidden [T, D], w_gate_up [E, 2F, D], w_down [E, D, F], expert_ids [T, r], topk_weights [T, r] -> [T, D]
@@ -185,6 +186,15 @@ class MoEBlock(nn.Module):
                 E = self.num_experts
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
+        if self._fused_cpu(x, shared_in):  # <= 16 tokens on CPU: experts, shared expert and their sum in one call
+            with maybe_phase(timer, "experts"):
+                se = self.shared_expert
+                shared = (shared_in, se.down_proj.weight) if se is not None else (None, None)
+                out = cpu_decode.moe_decode(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids,
+                                            topk_weights, *shared, self.shared_expert_gate is not None)  # fmt: skip
+            with maybe_phase(timer, "combine"):  # fused into "experts" above: an empty phase, kept for the profile
+                pass
+            return self._record(record, layer, expert_ids, topk_weights, router_logits, out)
         with maybe_phase(timer, "experts"):
             fn = self.expert_fn or self.local_experts
             out = fn(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, topk_weights)
@@ -199,6 +209,23 @@ class MoEBlock(nn.Module):
             elif self.shared_expert is not None:
                 gate = 1.0 if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
                 out = out + gate * self.shared_expert(x)
+        return self._record(record, layer, expert_ids, topk_weights, router_logits, out)
+
+    def _fused_cpu(self, x: torch.Tensor, shared_in: torch.Tensor | None) -> bool:
+        """Whether these tokens take `kernels.cpu_decode.moe_decode`: 1-16 CPU fp32 tokens at inference (fused
+        input projection computed), the block's own local experts (no EP / offload `expert_fn`), no Triton backend."""
+        return (
+            1 <= x.shape[0] <= 16
+            and self.expert_fn is None
+            and self.backend != "triton"
+            and (self.shared_expert is None or shared_in is not None)
+            and cpu_decode.applies(x)
+            and not torch.is_grad_enabled()
+        )
+
+    @staticmethod
+    def _record(record, layer, expert_ids, topk_weights, router_logits, out):
+        """Append this layer's routing to `record` (if any) -> (out, router_logits)."""
         if record is not None:
             record.layers.append(layer)
             record.expert_ids.append(expert_ids.detach())

@@ -29,11 +29,12 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.gpt_oss import GptOssAttention, GptOssMoE
-from engine.models.layers import RMSNorm, apply_rope, apply_rope_signed, sign_sin, unpad_index
+from engine.models.layers import RMSNorm, add_norm, apply_rope, apply_rope_signed, sign_sin, unpad_index
 from engine.models.mla import MLAttention
 from engine.models.moe import DenseMLP, MoEBlock, RoutingRecord, fused_weight, load_balancing_loss
 from engine.models.rope import rope_table
 from engine.timing import PhaseTimer, maybe_phase
+from kernels import cpu_decode
 from kernels.small_m import linear
 
 
@@ -161,8 +162,29 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         return self.o_proj(self._sdpa(q, k, v, None, causal=True))
 
+    def _fused_cpu(self, x: torch.Tensor, batch: ForwardBatch, kv) -> bool:
+        """Whether one request's tokens take the fused C++ attention (kernels.cpu_decode): CPU fp32, B = 1 without
+        padding, an fp32 cache, no qk-norm over the whole projection, no qkv clip."""
+        cfg = self.cfg
+        return (
+            cfg.qk_norm in ("none", "head")
+            and cfg.clip_qkv is None
+            and batch.pad_index.shape == (1, x.shape[0])
+            and kv.k.dtype == torch.float32
+            and cpu_decode.applies(x)
+        )
+
     def forward_cached(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv, layer: int) -> torch.Tensor:
         """x [N, D] packed tokens -> [N, D], writing their K/V into the cache first."""
+        if self._fused_cpu(x, batch, kv):  # qk-norm, RoPE, K/V write and attention in one call
+            w, b = self._fused_qkv()
+            qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            mask = None if batch.attn_mask is None else batch.attn_mask[0].contiguous()
+            out = cpu_decode.attention(linear(x, w, b), cos, sin, qn, kn, eps, kv.k[layer], kv.v[layer],
+                                       batch.write_slots, batch.read_slots[0], mask, self.cfg.num_heads,
+                                       self.cfg.num_kv_heads)  # fmt: skip
+            return linear(out, self.o_proj.weight, self.o_proj.bias)
         q, k, v = self.qkv_inference(x, cos, sin)  # [N, H, hd], [N, Hkv, hd]
         kv.write(layer, batch.write_slots, k, v)
         keys, values = kv.read(layer, batch.read_slots, batch.read_start)  # [B, S, Hkv, hd]
@@ -322,17 +344,18 @@ class Model(nn.Module):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]
             cos_table, sin_table = self._rope_table(h.dtype)
             cos, sin = cos_table[batch.positions], sin_table[batch.positions]
+        delta = None  # the last layer's MLP output, added to h by the next norm (add_norm: one call on CPU)
         for i, layer in enumerate(self.model.layers):  # .forward(): skip nn.Module hook dispatch
-            if feature_layers and i in feature_layers:
-                captured[i] = h
             with maybe_phase(timer, "attention"):
-                x = layer.input_layernorm.forward(h)
-                h = h + layer.self_attn.forward_cached(x, cos, sin, batch, kv, i)
-                x = layer.post_attention_layernorm.forward(h)
-            h = h + layer.mlp_forward(x, record, None, timer, expert_budget)
-        captured[len(self.model.layers)] = h
+                h, x = add_norm(layer.input_layernorm, h, delta)
+                if feature_layers and i in feature_layers:
+                    captured[i] = h
+                h, x = add_norm(layer.post_attention_layernorm, h, layer.self_attn.forward_cached(x, cos, sin, batch,
+                                                                                                  kv, i))  # fmt: skip
+            delta = layer.mlp_forward(x, record, None, timer, expert_budget)
         with maybe_phase(timer, "lm_head"):
-            hidden = self.model.norm.forward(h)
+            h, hidden = add_norm(self.model.norm, h, delta)
             logits = linear(hidden, self.lm_head.weight)
+        captured[len(self.model.layers)] = h
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h, features=features)

@@ -1,0 +1,286 @@
+// The small ops of a CPU decode / verification step of one request, fused (fp32, AVX-512F):
+//
+//   attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, read_slots, mask, H, Hkv)
+//       proj [n, (H + 2 Hkv) hd] (the fused QKV projection) -> out [n, H hd]: per-head RMSNorm of q and k (qk-norm
+//       "head", optional), RoPE on the first rd dims (HF rotate-half with the sign-folded sin table of
+//       engine.models.layers.apply_rope_signed), the n new keys / values written into the cache slots
+//       write_slots [n], then softmax(q k^T / sqrt(hd)) v over the cache slots read_slots [S] (mask [n, S] bool:
+//       which of them each query sees; none: all), GQA head g = h / (H / Hkv).
+//   add_rms_norm(h, delta, w, eps) -> (h + delta, rms_norm(h + delta) * w)   (delta optional: rms_norm alone)
+//   moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated) -> [T, D]: T <= 16 tokens' routed SwiGLU
+//       experts, each read in place (either weight layout, engine.models.layout) once for all its tokens, and the
+//       shared expert from its fused input projection, weighted and summed (MoEBlock.forward after routing).
+//
+// What the torch path (Attention.forward_cached, RMSNorm) computes, in one call instead of ~15 (attention) and ~8
+// (F.rms_norm) ATen ops, each of which costs several microseconds between weight reads that evict the caches.
+// Sums run in float32 in a fixed order, so results differ from ATen's by rounding only (~1e-6; tested).
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "sweep.h"
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
+  const __m512 va = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// x [n] <- x * rsqrt(mean(x^2) + eps) * w   (F.rms_norm's formula)
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// RoPE on x [hd] in place over its first rd dims: x[i] cos[i] + x[i -/+ rd/2] sin_signed[i]
+inline void rope_row(float* x, const float* cos, const float* ss, int64_t rd, float* tmp) {
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < rd; ++i) tmp[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * ss[i];
+  for (int64_t i = 0; i < rd; ++i) x[i] = tmp[i];
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode.attention: ", what); }
+
+torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                        const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                        double eps, torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& write_slots,
+                        const torch::Tensor& read_slots, const c10::optional<torch::Tensor>& mask, int64_t H,
+                        int64_t Hkv) {
+  const int64_t n = proj.size(0), hd = k_cache.size(2), rd = cos.size(1), S = read_slots.size(0);
+  check(proj.dim() == 2 && proj.is_contiguous() && proj.scalar_type() == torch::kFloat, "proj [n, (H+2Hkv)hd] fp32");
+  check(proj.size(1) == (H + 2 * Hkv) * hd && H % Hkv == 0, "proj width != (H + 2 Hkv) hd, or H % Hkv != 0");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+            k_cache.size(1) == Hkv && k_cache.scalar_type() == torch::kFloat,
+        "k_cache, v_cache [slots, Hkv, hd] contiguous fp32");
+  check(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && sin_signed.sizes() == cos.sizes() &&
+            rd <= hd && rd % 2 == 0,
+        "cos, sin_signed [n, rd <= hd] contiguous");
+  check(write_slots.numel() == n && write_slots.scalar_type() == torch::kLong && read_slots.dim() == 1 &&
+            read_slots.scalar_type() == torch::kLong,
+        "write_slots [n], read_slots [S] int64");
+  check(!mask || (mask->dim() == 2 && mask->size(0) == n && mask->size(1) == S && mask->is_contiguous() &&
+                  mask->scalar_type() == torch::kBool),
+        "mask [n, S] contiguous bool");
+  check(!q_norm || (q_norm->numel() == hd && k_norm && k_norm->numel() == hd), "q_norm, k_norm [hd] together");
+  const int64_t width = proj.size(1), slots = k_cache.size(0), group = H / Hkv;
+  const float* P = proj.data_ptr<float>();
+  const float* C = cos.data_ptr<float>();
+  const float* SS = sin_signed.data_ptr<float>();
+  const float* QN = q_norm ? q_norm->data_ptr<float>() : nullptr;
+  const float* KN = k_norm ? k_norm->data_ptr<float>() : nullptr;
+  float* K = k_cache.data_ptr<float>();
+  float* V = v_cache.data_ptr<float>();
+  const int64_t* ws = write_slots.data_ptr<int64_t>();
+  const int64_t* rs = read_slots.data_ptr<int64_t>();
+  const bool* M = mask ? mask->data_ptr<bool>() : nullptr;
+  for (int64_t j = 0; j < S; ++j) TORCH_CHECK(rs[j] >= 0 && rs[j] < slots, "cpu_decode.attention: read slot out of range");
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(ws[t] >= 0 && ws[t] < slots, "cpu_decode.attention: write slot out of range");
+
+  std::vector<float> q(n * H * hd), tmp(hd);
+  for (int64_t t = 0; t < n; ++t) {  // q: norm + RoPE; k: norm + RoPE, then k, v into the cache
+    const float* row = P + t * width;
+    for (int64_t h = 0; h < H; ++h) {
+      float* qh = q.data() + (t * H + h) * hd;
+      if (QN) rms_norm_row(row + h * hd, QN, static_cast<float>(eps), hd, qh);
+      else std::copy(row + h * hd, row + (h + 1) * hd, qh);
+      rope_row(qh, C + t * rd, SS + t * rd, rd, tmp.data());
+    }
+    for (int64_t g = 0; g < Hkv; ++g) {
+      float* kg = K + (ws[t] * Hkv + g) * hd;
+      const float* src = row + (H + g) * hd;
+      if (KN) rms_norm_row(src, KN, static_cast<float>(eps), hd, kg);
+      else std::copy(src, src + hd, kg);
+      rope_row(kg, C + t * rd, SS + t * rd, rd, tmp.data());
+      const float* vs = row + (H + Hkv + g) * hd;
+      std::copy(vs, vs + hd, V + (ws[t] * Hkv + g) * hd);
+    }
+  }
+  auto out = torch::zeros({n, H * hd}, proj.options());
+  float* O = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  std::vector<float> p(S);
+  for (int64_t t = 0; t < n; ++t) {
+    const bool* mt = M ? M + t * S : nullptr;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q.data() + (t * H + h) * hd;
+      const int64_t g = h / group;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < S; ++j) {
+        if (mt && !mt[j]) continue;
+        p[j] = dot(qh, K + (rs[j] * Hkv + g) * hd, hd) * scale;
+        top = std::max(top, p[j]);
+      }
+      if (top == -INFINITY) continue;  // sees no key: zeros (SDPA would give NaN; padding rows only)
+      float sum = 0.0f;
+      for (int64_t j = 0; j < S; ++j) {
+        if (mt && !mt[j]) continue;
+        p[j] = std::exp(p[j] - top);
+        sum += p[j];
+      }
+      float* oh = O + t * H * hd + h * hd;
+      for (int64_t j = 0; j < S; ++j) {
+        if (mt && !mt[j]) continue;
+        axpy(p[j], V + (rs[j] * Hkv + g) * hd, oh, hd);
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < hd; ++d) oh[d] *= inv;
+    }
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
+                                        const torch::Tensor& w, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat && w.is_contiguous() &&
+                  w.numel() == h.size(1) && w.scalar_type() == torch::kFloat,
+              "cpu_decode.add_rms_norm: h [n, D] contiguous fp32, w [D]");
+  TORCH_CHECK(!delta || (delta->sizes() == h.sizes() && delta->is_contiguous() && delta->scalar_type() == torch::kFloat),
+              "cpu_decode.add_rms_norm: delta like h");
+  const int64_t n = h.size(0), D = h.size(1);
+  auto sum = delta ? torch::empty_like(h) : h;
+  auto out = torch::empty_like(h);
+  const float* a = h.data_ptr<float>();
+  const float* b = delta ? delta->data_ptr<float>() : nullptr;
+  float* s = sum.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    if (b)
+      for (int64_t i = 0; i < D; ++i) s[t * D + i] = a[t * D + i] + b[t * D + i];
+    rms_norm_row(s + t * D, w.data_ptr<float>(), static_cast<float>(eps), D, out.data_ptr<float>() + t * D);
+  }
+  return {sum, out};
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// y[m, :out] = W x[m] for M <= 8 rows and a row-major W [out, in] (row stride s_out): each weight row read once for
+// the M rows, one dot product per (row, output).
+template <int M>
+void dots(const float* x, int64_t ldx, const float* W, int64_t s_out, int64_t out, int64_t in, float* y, int64_t ldy) {
+  const int64_t full = in / 16 * 16;
+  const __mmask16 tail = (__mmask16)((1u << (in - full)) - 1u);
+  for (int64_t j = 0; j < out; ++j) {
+    const float* w = W + j * s_out;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 16) {
+      const __mmask16 mk = k < full ? (__mmask16)0xFFFF : tail;
+      const __m512 wv = _mm512_maskz_loadu_ps(mk, w + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, x + m * ldx + k), wv, acc[m]);
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+using DotsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+constexpr DotsFn kDots[] = {dots<1>, dots<2>, dots<3>, dots<4>, dots<5>, dots<6>, dots<7>, dots<8>};
+
+// y[m, :out] = W x[m] (m < rows <= 8) for W [out, in] given by its strides: input-major (s_out == 1, memory [in, out]
+// with row stride s_in: the small-M sweep) or row-major (s_in == 1: `dots`).
+void matvecs(int64_t rows, const float* x, int64_t ldx, const float* W, int64_t out, int64_t in, int64_t s_out,
+             int64_t s_in, float* y, int64_t ldy) {
+  if (s_out == 1)
+    expertspec::kSweeps[rows - 1](x, ldx, W, s_in, in, nullptr, y, ldy, 0, out);
+  else
+    kDots[rows - 1](x, ldx, W, s_out, out, in, y, ldy);
+}
+
+void check_moe(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode.moe_decode: ", what); }
+
+// T <= 16 tokens' routed experts (ids [T, r], weights [T, r]; id < 0 contributes 0), each expert's weights read once
+// for all the tokens routed to it, and, when given, the shared expert from its input projection shared_in
+// [T, 2Fs (+1 gate logit)] with down [D, Fs]: the MoE block's output [T, D].
+torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const torch::Tensor& down,
+                         const torch::Tensor& ids, const torch::Tensor& weights,
+                         const c10::optional<torch::Tensor>& shared_in, const c10::optional<torch::Tensor>& shared_down,
+                         bool shared_gated) {
+  check_moe(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 16 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+            "x [T <= 16, D] contiguous fp32");
+  const int64_t T = x.size(0), D = x.size(1), E = gu.size(0), F = down.size(2), r = ids.size(1);
+  check_moe(gu.dim() == 3 && gu.size(1) == 2 * F && gu.size(2) == D && down.dim() == 3 && down.size(0) == E &&
+                down.size(1) == D && gu.scalar_type() == torch::kFloat && down.scalar_type() == torch::kFloat,
+            "gu [E, 2F, D], down [E, D, F] fp32");
+  check_moe((gu.stride(1) == 1 || gu.stride(2) == 1) && (down.stride(1) == 1 || down.stride(2) == 1),
+            "expert weights row-major or input-major");
+  check_moe(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kLong && ids.is_contiguous() &&
+                weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat && weights.is_contiguous(),
+            "ids int64 and weights fp32 [T, r]");
+  int64_t Fs = 0;
+  if (shared_in) {
+    check_moe(shared_down && shared_down->dim() == 2 && shared_down->size(0) == D &&
+                  shared_down->scalar_type() == torch::kFloat &&
+                  (shared_down->stride(0) == 1 || shared_down->stride(1) == 1),
+              "shared_down [D, Fs] fp32");
+    Fs = shared_down->size(1);
+    check_moe(shared_in->dim() == 2 && shared_in->size(0) == T && shared_in->stride(1) == 1 &&
+                  shared_in->size(1) == 2 * Fs + (shared_gated ? 1 : 0),
+              "shared_in [T, 2Fs (+1)]");
+  }
+  const float* xp = x.data_ptr<float>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* wt = weights.data_ptr<float>();
+  std::vector<std::vector<int64_t>> cells(E);  // expert -> its (token * r + slot) cells, in token order
+  for (int64_t c = 0; c < T * r; ++c) {
+    if (id[c] < 0) continue;
+    TORCH_CHECK(id[c] < E, "cpu_decode.moe_decode: expert id ", id[c], " >= ", E);
+    cells[id[c]].push_back(c);
+  }
+  auto out = torch::zeros({T, D}, x.options());
+  float* op = out.data_ptr<float>();
+  const int64_t H = 2 * std::max(F, Fs);
+  std::vector<float> xs(8 * D), h(8 * H), y(8 * D);
+  for (int64_t e = 0; e < E; ++e) {
+    const float* g = gu.data_ptr<float>() + e * gu.stride(0);
+    const float* dn = down.data_ptr<float>() + e * down.stride(0);
+    for (size_t b = 0; b < cells[e].size(); b += 8) {  // blocks of <= 8 tokens: one read of the expert each
+      const int64_t rows = std::min<int64_t>(8, cells[e].size() - b);
+      for (int64_t i = 0; i < rows; ++i) std::copy_n(xp + cells[e][b + i] / r * D, D, xs.data() + i * D);
+      matvecs(rows, xs.data(), D, g, 2 * F, D, gu.stride(1), gu.stride(2), h.data(), H);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t f = 0; f < F; ++f) h[i * H + f] = silu(h[i * H + f]) * h[i * H + F + f];
+      matvecs(rows, h.data(), H, dn, D, F, down.stride(1), down.stride(2), y.data(), D);
+      for (int64_t i = 0; i < rows; ++i) axpy(wt[cells[e][b + i]], y.data() + i * D, op + cells[e][b + i] / r * D, D);
+    }
+  }
+  if (shared_in) {
+    const float* si = shared_in->data_ptr<float>();
+    const int64_t ld = shared_in->stride(0);
+    const float* sd = shared_down->data_ptr<float>();
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+      const int64_t rows = std::min<int64_t>(8, T - t0);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t f = 0; f < Fs; ++f) h[i * H + f] = silu(si[(t0 + i) * ld + f]) * si[(t0 + i) * ld + Fs + f];
+      matvecs(rows, h.data(), H, sd, D, Fs, shared_down->stride(0), shared_down->stride(1), y.data(), D);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float gate = shared_gated ? 1.0f / (1.0f + std::exp(-si[(t0 + i) * ld + 2 * Fs])) : 1.0f;
+        axpy(gate, y.data() + i * D, op + (t0 + i) * D, D);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention, "qk-norm, RoPE, K/V write and attention of one request's n tokens (fp32)");
+  m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * w), fp32 rows");
+  m.def("moe_decode", &moe_decode, "T <= 16 tokens' routed experts and shared expert (fp32)");
+}

@@ -1,0 +1,89 @@
+"""The small ops of a CPU decode / verification step of one request, fused in C++ (`cpu_decode.cpp`, AVX-512),
+with the torch ops of `engine.models.transformer.Attention.forward_cached`, `F.rms_norm` and
+`engine.models.moe.MoEBlock.forward` as their reference twins (same results to ~1e-6: tested).
+
+    from kernels import cpu_decode
+    out = cpu_decode.attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache,
+                               write_slots, read_slots, mask, H, Hkv)    # [n, H*hd]; None when off
+    h, x = cpu_decode.add_rms_norm(h, delta, weight, eps)               # (h + delta, rms_norm(h + delta) * w)
+    out = cpu_decode.moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated)   # [T <= 16, D]
+
+Why: at one request and a few tokens, a layer's attention (qk-norm, RoPE, K/V writes, SDPA and its transposes)
+is ~15 ATen ops, each RMSNorm ~8 and a few tokens' experts and shared expert ~30 (with the permutation
+bookkeeping of `kernels.fused_moe_ref` beyond one token), every one of them several µs with
+the caches cold from the weight reads around them, which is more than reading the attention weights takes (README,
+issue 12). Each becomes one call.
+Built once like the small-M kernel (`kernels.cpp_build`); off when `EXPERTSPEC_CPU_DECODE=0`, without AVX-512,
+without a compiler or on a failed build (`status()` says which), and the torch ops then run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpp_build import CppExtension, needs_avx512
+
+_EXT = CppExtension("cpu_decode", "EXPERTSPEC_CPU_DECODE", ("-O3", "-mavx512f", "-mfma"), needs_avx512,
+                    "on (AVX-512)")  # fmt: skip
+load = _EXT.load  # the compiled extension (built on the first call), or None when it is off
+status = _EXT.status  # 'on (AVX-512)' or 'off (<why>)'
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the fused ops take x: CPU fp32 without autograd, and the extension on."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and load() is not None
+    )
+
+
+def attention(
+    proj: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    read_slots: torch.Tensor,
+    mask: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """One request's n tokens: proj [n, (H + 2Hkv) hd] (fused QKV output), cos / sin_signed [n, rd], per-head
+    qk-norm weights [hd] (or None), cache storage k/v [slots, Hkv, hd] of one layer, write_slots [n], read_slots
+    [S], mask [n, S] bool (None: every query sees every read slot) -> attention output [n, H hd], the new K/V
+    written into the cache. The caller checks `applies` first."""
+    return load().attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, read_slots,
+                            mask, num_heads, num_kv_heads)  # fmt: skip
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, F.rms_norm(h + delta) * weight) for rows h [N, D] fp32 (delta None: h itself) in one call; the
+    caller checks `applies(h)` (engine.models.layers.add_norm falls back to the torch ops)."""
+    s, out = load().add_rms_norm(h.contiguous(), None if delta is None else delta.contiguous(), weight, eps)
+    return s, out
+
+
+def moe_decode(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared_in: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_gated: bool = False,
+) -> torch.Tensor:
+    """T <= 16 tokens x [T, D]: Σ_s w_s down_e(silu(gate_e x) * up_e x) over expert_ids [T, r] (-1: contributes 0)
+    with w_gate_up [E, 2F, D], w_down [E, D, F] read in place, once per block of <= 8 of the tokens routed to e, plus,
+    when shared_in [T, 2Fs (+1)] (the shared expert's gate / up projections and, gated, its gate logit) is given,
+    sigmoid(logit) * shared_down [D, Fs] (silu(g) * u) -> [T, D]. The caller checks `applies(x)`."""
+    return load().moe_decode(x.contiguous(), w_gate_up, w_down, expert_ids.contiguous(),
+                             topk_weights.float().contiguous(), shared_in, shared_down, shared_gated)  # fmt: skip
