@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import small_m
+from kernels import cpu_decode, small_m
 from kernels.fused_moe import ClampedSwiGLU, MoeBlockConfig, fused_moe_ref, get_config
 from kernels.fused_moe import fused_moe as fused_moe_triton
 from kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
@@ -30,11 +30,20 @@ __all__ = [
     "fused_moe_ref",
     "fused_moe_triton",
     "get_config",
+    "load_cpu_extensions",
     "moe_align",
     "moe_align_ref",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+
+
+def load_cpu_extensions() -> None:
+    """Build / load the C++ CPU extensions of the forward (small-M linear, fused decode ops) now: an engine calls
+    this when it is created, never lazily mid-step (EP ranks reaching a build at different times inside a
+    collective time out)."""
+    small_m.load()
+    cpu_decode.load()
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:

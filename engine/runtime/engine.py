@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+import kernels
 from engine.drafting.make import make_drafter
 from engine.drafting.protocol import MAX_TREE_NODES, Drafter
 from engine.models.batching import chain_item, pack, tree_item
@@ -44,7 +45,6 @@ from engine.spec.gumbel import position_gumbel_many, verify_gumbel
 from engine.spec.sampling import SamplingParams, process_logits, sample_from_probs
 from engine.spec.verify import VerifyResult, verify_tree
 from engine.timing import PhaseTimer
-from kernels import small_m
 
 GREEDY = SamplingParams()
 RoundCost = Callable[[RoundStats], tuple[float, float]]  # RoundStats -> (T_spec, T_AR)
@@ -135,8 +135,8 @@ class Engine:
         if ep is not None and check_kv:
             raise ValueError("check_kv runs extra target forwards per request and is not lockstep under ep")
         self.ep = ep
-        if target.device.type == "cpu":  # the CPU small-M kernel loaded now, never mid-step (EP ranks would stagger)
-            small_m.load()
+        if target.device.type == "cpu":  # the CPU extensions loaded now, never mid-step (EP ranks would stagger)
+            kernels.load_cpu_extensions()
         self.check_kv = check_kv  # debug: after every step prove committed slots hold committed tokens' K/V
         self.offload = offload
         self.round_cost = round_cost  # fills RoundStats.cost / cost_ar (None: measured seconds, no T_AR)
