@@ -1,11 +1,13 @@
-// The small ops of a CPU decode / verification step of one request, fused (fp32, AVX-512F):
+// The small ops of a CPU decode / verification step, fused (fp32, AVX-512F):
 //
-//   attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, read_slots, mask, H, Hkv)
-//       proj [n, (H + 2 Hkv) hd] (the fused QKV projection) -> out [n, H hd]: per-head RMSNorm of q and k (qk-norm
-//       "head", optional), RoPE on the first rd dims (HF rotate-half with the sign-folded sin table of
-//       engine.models.layers.apply_rope_signed), the n new keys / values written into the cache slots
-//       write_slots [n], then softmax(q k^T / sqrt(hd)) v over the cache slots read_slots [S] (mask [n, S] bool:
-//       which of them each query sees; none: all), GQA head g = h / (H / Hkv).
+//   attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, pad_index, read_slots,
+//             mask, H, Hkv)
+//       proj [n, (H + 2 Hkv) hd] (the fused QKV projection of the n packed tokens of B requests) -> out [n, H hd]:
+//       per-head RMSNorm of q and k (qk-norm "head", optional), RoPE on the first rd dims (HF rotate-half with the
+//       sign-folded sin table of engine.models.layers.apply_rope_signed), the n new keys / values written into the
+//       cache slots write_slots [n], then for request b's query cells pad_index [B, Tq] (n: padding)
+//       softmax(q k^T / sqrt(hd)) v over its cache slots read_slots [B, S] (mask [B, Tq, S] bool: which of them
+//       each query sees; none: all), GQA head g = h / (H / Hkv).
 //   add_rms_norm(h, delta, w, eps) -> (h + delta, rms_norm(h + delta) * w)   (delta optional: rms_norm alone)
 //   moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated) -> [T, D]: T <= 16 tokens' routed SwiGLU
 //       experts, each read in place (either weight layout, engine.models.layout) once for all its tokens, and the
@@ -62,9 +64,10 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode.attention: "
 torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, const torch::Tensor& sin_signed,
                         const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
                         double eps, torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& write_slots,
-                        const torch::Tensor& read_slots, const c10::optional<torch::Tensor>& mask, int64_t H,
-                        int64_t Hkv) {
-  const int64_t n = proj.size(0), hd = k_cache.size(2), rd = cos.size(1), S = read_slots.size(0);
+                        const torch::Tensor& pad_index, const torch::Tensor& read_slots,
+                        const c10::optional<torch::Tensor>& mask, int64_t H, int64_t Hkv) {
+  const int64_t n = proj.size(0), hd = k_cache.size(2), rd = cos.size(1), S = read_slots.size(1);
+  const int64_t B = pad_index.size(0), Tq = pad_index.size(1);
   check(proj.dim() == 2 && proj.is_contiguous() && proj.scalar_type() == torch::kFloat, "proj [n, (H+2Hkv)hd] fp32");
   check(proj.size(1) == (H + 2 * Hkv) * hd && H % Hkv == 0, "proj width != (H + 2 Hkv) hd, or H % Hkv != 0");
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -73,12 +76,13 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
   check(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && sin_signed.sizes() == cos.sizes() &&
             rd <= hd && rd % 2 == 0,
         "cos, sin_signed [n, rd <= hd] contiguous");
-  check(write_slots.numel() == n && write_slots.scalar_type() == torch::kLong && read_slots.dim() == 1 &&
-            read_slots.scalar_type() == torch::kLong,
-        "write_slots [n], read_slots [S] int64");
-  check(!mask || (mask->dim() == 2 && mask->size(0) == n && mask->size(1) == S && mask->is_contiguous() &&
-                  mask->scalar_type() == torch::kBool),
-        "mask [n, S] contiguous bool");
+  check(write_slots.numel() == n && write_slots.scalar_type() == torch::kLong && read_slots.dim() == 2 &&
+            read_slots.size(0) == B && read_slots.is_contiguous() && read_slots.scalar_type() == torch::kLong &&
+            pad_index.dim() == 2 && pad_index.is_contiguous() && pad_index.scalar_type() == torch::kLong,
+        "write_slots [n], pad_index [B, Tq], read_slots [B, S] int64");
+  check(!mask || (mask->dim() == 3 && mask->size(0) == B && mask->size(1) == Tq && mask->size(2) == S &&
+                  mask->is_contiguous() && mask->scalar_type() == torch::kBool),
+        "mask [B, Tq, S] contiguous bool");
   check(!q_norm || (q_norm->numel() == hd && k_norm && k_norm->numel() == hd), "q_norm, k_norm [hd] together");
   const int64_t width = proj.size(1), slots = k_cache.size(0), group = H / Hkv;
   const float* P = proj.data_ptr<float>();
@@ -89,9 +93,10 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
   float* K = k_cache.data_ptr<float>();
   float* V = v_cache.data_ptr<float>();
   const int64_t* ws = write_slots.data_ptr<int64_t>();
-  const int64_t* rs = read_slots.data_ptr<int64_t>();
+  const int64_t* RS = read_slots.data_ptr<int64_t>();
+  const int64_t* PI = pad_index.data_ptr<int64_t>();
   const bool* M = mask ? mask->data_ptr<bool>() : nullptr;
-  for (int64_t j = 0; j < S; ++j) TORCH_CHECK(rs[j] >= 0 && rs[j] < slots, "cpu_decode.attention: read slot out of range");
+  for (int64_t j = 0; j < B * S; ++j) TORCH_CHECK(RS[j] >= 0 && RS[j] < slots, "cpu_decode.attention: read slot out of range");
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(ws[t] >= 0 && ws[t] < slots, "cpu_decode.attention: write slot out of range");
 
   std::vector<float> q(n * H * hd), tmp(hd);
@@ -117,8 +122,11 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
   float* O = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> p(S);
-  for (int64_t t = 0; t < n; ++t) {
-    const bool* mt = M ? M + t * S : nullptr;
+  for (int64_t c = 0; c < B * Tq; ++c) {  // (request b, query cell) -> packed token t, over b's read slots
+    const int64_t t = PI[c], b = c / Tq;
+    if (t < 0 || t >= n) continue;  // padding cell
+    const int64_t* rs = RS + b * S;
+    const bool* mt = M ? M + c * S : nullptr;
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = q.data() + (t * H + h) * hd;
       const int64_t g = h / group;

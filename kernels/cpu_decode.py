@@ -1,10 +1,10 @@
-"""The small ops of a CPU decode / verification step of one request, fused in C++ (`cpu_decode.cpp`, AVX-512),
+"""The small ops of a CPU decode / verification step, fused in C++ (`cpu_decode.cpp`, AVX-512),
 with the torch ops of `engine.models.transformer.Attention.forward_cached`, `F.rms_norm` and
 `engine.models.moe.MoEBlock.forward` as their reference twins (same results to ~1e-6: tested).
 
     from kernels import cpu_decode
     out = cpu_decode.attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache,
-                               write_slots, read_slots, mask, H, Hkv)    # [n, H*hd]; None when off
+                               write_slots, pad_index, read_slots, mask, H, Hkv)    # [n, H*hd]
     h, x = cpu_decode.add_rms_norm(h, delta, weight, eps)               # (h + delta, rms_norm(h + delta) * w)
     out = cpu_decode.moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated)   # [T <= 16, D]
 
@@ -49,17 +49,19 @@ def attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     write_slots: torch.Tensor,
+    pad_index: torch.Tensor,
     read_slots: torch.Tensor,
     mask: torch.Tensor | None,
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    """One request's n tokens: proj [n, (H + 2Hkv) hd] (fused QKV output), cos / sin_signed [n, rd], per-head
-    qk-norm weights [hd] (or None), cache storage k/v [slots, Hkv, hd] of one layer, write_slots [n], read_slots
-    [S], mask [n, S] bool (None: every query sees every read slot) -> attention output [n, H hd], the new K/V
-    written into the cache. The caller checks `applies` first."""
-    return load().attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, read_slots,
-                            mask, num_heads, num_kv_heads)  # fmt: skip
+    """The n packed tokens of B requests: proj [n, (H + 2Hkv) hd] (fused QKV output), cos / sin_signed [n, rd],
+    per-head qk-norm weights [hd] (or None), cache storage k/v [slots, Hkv, hd] of one layer, write_slots [n],
+    pad_index [B, Tq] (packed token of each request's query cell, n = padding), read_slots [B, S], mask [B, Tq, S]
+    bool (None: every query sees every read slot of its request) -> attention output [n, H hd], the new K/V written
+    into the cache. The caller checks `applies` first."""
+    return load().attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, pad_index,
+                            read_slots, mask, num_heads, num_kv_heads)  # fmt: skip
 
 
 def add_rms_norm(

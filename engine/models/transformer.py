@@ -163,13 +163,12 @@ class Attention(nn.Module):
         return self.o_proj(self._sdpa(q, k, v, None, causal=True))
 
     def _fused_cpu(self, x: torch.Tensor, batch: ForwardBatch, kv) -> bool:
-        """Whether one request's tokens take the fused C++ attention (kernels.cpu_decode): CPU fp32, B = 1 without
-        padding, an fp32 cache, no qk-norm over the whole projection, no qkv clip."""
+        """Whether the packed tokens take the fused C++ attention (kernels.cpu_decode): CPU fp32, an fp32 cache, no
+        qk-norm over the whole projection, no qkv clip."""
         cfg = self.cfg
         return (
             cfg.qk_norm in ("none", "head")
             and cfg.clip_qkv is None
-            and batch.pad_index.shape == (1, x.shape[0])
             and kv.k.dtype == torch.float32
             and cpu_decode.applies(x)
         )
@@ -180,10 +179,10 @@ class Attention(nn.Module):
             w, b = self._fused_qkv()
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            mask = None if batch.attn_mask is None else batch.attn_mask[0].contiguous()
+            mask = None if batch.attn_mask is None else batch.attn_mask.contiguous()
             out = cpu_decode.attention(linear(x, w, b), cos, sin, qn, kn, eps, kv.k[layer], kv.v[layer],
-                                       batch.write_slots, batch.read_slots[0], mask, self.cfg.num_heads,
-                                       self.cfg.num_kv_heads)  # fmt: skip
+                                       batch.write_slots, batch.pad_index.contiguous(), batch.read_slots.contiguous(),
+                                       mask, self.cfg.num_heads, self.cfg.num_kv_heads)  # fmt: skip
             return linear(out, self.o_proj.weight, self.o_proj.bias)
         q, k, v = self.qkv_inference(x, cos, sin)  # [N, H, hd], [N, Hkv, hd]
         kv.write(layer, batch.write_slots, k, v)

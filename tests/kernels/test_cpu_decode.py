@@ -78,6 +78,44 @@ def test_attention_equals_the_torch_path(H, Hkv, hd, qk_norm, bias, rd, n, maske
     assert torch.equal(v1, kv.v)
 
 
+@pytest.mark.parametrize("qk_norm", ["none", "head"])
+def test_batched_attention_equals_the_torch_path(qk_norm):
+    """B = 3 requests of 1, 4 and 2 tokens packed with padding (engine.models.batching.pack), masks or none."""
+    from engine.models.batching import PackItem, pack
+
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, hd = 4, 2, 32
+    attn = Attention(_config(H, Hkv, hd, qk_norm, False)).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    kv = PagedKVCache(1, Hkv, hd, num_blocks=8, block_size=16)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    free = torch.randperm(128, generator=g)
+    items, used = [], 0
+    for n, ctx, masked in ((1, 20, False), (4, 33, True), (2, 9, True)):
+        read = free[used : used + ctx + n]
+        used += ctx + n
+        mask = None
+        if masked:
+            mask = torch.rand(n, ctx + n, generator=g) < 0.7
+            mask[:, ctx:] = torch.eye(n, dtype=torch.bool)
+        items.append(PackItem(torch.zeros(n, dtype=torch.long), torch.arange(ctx, ctx + n), read[ctx:], read, mask))
+    batch = pack(items, torch.device("cpu"))
+    cos, sin = rope_cos_sin(batch.positions, hd, 10000.0, torch.float32)
+    x = torch.randn(batch.num_tokens, 96, generator=g)
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    with torch.inference_mode():
+        out = attn.forward_cached(x, cos, sign_sin(sin), batch, kv, 0)
+        k1 = kv.k.clone()
+        kv.k.copy_(k0), kv.v.copy_(v0)
+        with fused_off():
+            ref = attn.forward_cached(x, cos, sign_sin(sin), batch, kv, 0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    torch.testing.assert_close(k1, kv.k, rtol=1e-5, atol=1e-5 * float(kv.k.abs().max()))
+
+
 def test_add_norm_equals_the_torch_ops():
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(80, 1e-6)
@@ -107,10 +145,11 @@ def test_falls_back_where_it_does_not_apply():
 def test_bad_inputs_are_refused_with_a_message():
     kc = torch.zeros(32, 2, 16)
     args = (torch.zeros(1, 16), torch.zeros(1, 16), None, None, 0.0, kc, kc.clone())
+    one = torch.tensor([[0]])
     with pytest.raises(RuntimeError, match="proj width"):
-        cpu_decode.attention(torch.zeros(1, 100), *args, torch.tensor([0]), torch.tensor([0]), None, 4, 2)
+        cpu_decode.attention(torch.zeros(1, 100), *args, torch.tensor([0]), one, one, None, 4, 2)
     with pytest.raises(RuntimeError, match="read slot out of range"):
-        cpu_decode.attention(torch.zeros(1, 128), *args, torch.tensor([0]), torch.tensor([99]), None, 4, 2)
+        cpu_decode.attention(torch.zeros(1, 128), *args, torch.tensor([0]), one, torch.tensor([[99]]), None, 4, 2)
 
 
 def test_engine_logits_and_greedy_tokens_with_and_without_them():
