@@ -9,7 +9,7 @@
 //       softmax(q k^T / sqrt(hd)) v over its cache slots read_slots [B, S] (mask [B, Tq, S] bool: which of them
 //       each query sees; none: all), GQA head g = h / (H / Hkv).
 //   add_rms_norm(h, delta, w, eps) -> (h + delta, rms_norm(h + delta) * w)   (delta optional: rms_norm alone)
-//   moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated) -> [T, D]: T <= 16 tokens' routed SwiGLU
+//   moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated) -> [T, D]: T tokens' routed SwiGLU
 //       experts, each read in place (either weight layout, engine.models.layout) once for all its tokens, and the
 //       shared expert from its fused input projection, weighted and summed (MoEBlock.forward after routing).
 //
@@ -212,15 +212,15 @@ void matvecs(int64_t rows, const float* x, int64_t ldx, const float* W, int64_t 
 
 void check_moe(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode.moe_decode: ", what); }
 
-// T <= 16 tokens' routed experts (ids [T, r], weights [T, r]; id < 0 contributes 0), each expert's weights read once
+// T tokens' routed experts (ids [T, r], weights [T, r]; id < 0 contributes 0), each expert's weights read once
 // for all the tokens routed to it, and, when given, the shared expert from its input projection shared_in
 // [T, 2Fs (+1 gate logit)] with down [D, Fs]: the MoE block's output [T, D].
 torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const torch::Tensor& down,
                          const torch::Tensor& ids, const torch::Tensor& weights,
                          const c10::optional<torch::Tensor>& shared_in, const c10::optional<torch::Tensor>& shared_down,
                          bool shared_gated) {
-  check_moe(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 16 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
-            "x [T <= 16, D] contiguous fp32");
+  check_moe(x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+            "x [T, D] contiguous fp32");
   const int64_t T = x.size(0), D = x.size(1), E = gu.size(0), F = down.size(2), r = ids.size(1);
   check_moe(gu.dim() == 3 && gu.size(1) == 2 * F && gu.size(2) == D && down.dim() == 3 && down.size(0) == E &&
                 down.size(1) == D && gu.scalar_type() == torch::kFloat && down.scalar_type() == torch::kFloat,
@@ -290,5 +290,5 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "qk-norm, RoPE, K/V write and attention of one request's n tokens (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * w), fp32 rows");
-  m.def("moe_decode", &moe_decode, "T <= 16 tokens' routed experts and shared expert (fp32)");
+  m.def("moe_decode", &moe_decode, "T tokens' routed experts and shared expert (fp32)");
 }

@@ -186,7 +186,7 @@ class MoEBlock(nn.Module):
                 E = self.num_experts
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
-        if self._fused_cpu(x, shared_in):  # <= 16 tokens on CPU: experts, shared expert and their sum in one call
+        if self._fused_cpu(x, shared_in):  # <= 32 tokens on CPU: experts, shared expert and their sum in one call
             with maybe_phase(timer, "experts"):
                 se = self.shared_expert
                 shared = (shared_in, se.down_proj.weight) if se is not None else (None, None)
@@ -212,10 +212,11 @@ class MoEBlock(nn.Module):
         return self._record(record, layer, expert_ids, topk_weights, router_logits, out)
 
     def _fused_cpu(self, x: torch.Tensor, shared_in: torch.Tensor | None) -> bool:
-        """Whether these tokens take `kernels.cpu_decode.moe_decode`: 1-16 CPU fp32 tokens at inference (fused
-        input projection computed), the block's own local experts (no EP / offload `expert_fn`), no Triton backend."""
+        """Whether these tokens take `kernels.cpu_decode.moe_decode`: 1 to cpu_decode.MAX_MOE_TOKENS CPU fp32 tokens
+        at inference (fused input projection computed), the block's own local experts (no EP / offload `expert_fn`),
+        no Triton backend."""
         return (
-            1 <= x.shape[0] <= 16
+            1 <= x.shape[0] <= cpu_decode.MAX_MOE_TOKENS
             and self.expert_fn is None
             and self.backend != "triton"
             and (self.shared_expert is None or shared_in is not None)

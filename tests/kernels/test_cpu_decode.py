@@ -174,7 +174,7 @@ def test_engine_logits_and_greedy_tokens_with_and_without_them():
     assert on_tokens[0] == on_tokens[1] == off_tokens[0] == off_tokens[1]
 
 
-@pytest.mark.parametrize("T", [1, 3, 9, 16])
+@pytest.mark.parametrize("T", [1, 3, 9, 16, 32])
 @pytest.mark.parametrize("shared", ["none", "gated", "ungated"])
 @pytest.mark.parametrize("D, F_, layout", [(64, 48, "mixed"), (96, 160, "row"), (40, 24, "input")])
 def test_moe_decode_equals_the_torch_block(T, shared, D, F_, layout):
