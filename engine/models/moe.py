@@ -175,8 +175,11 @@ class MoEBlock(nn.Module):
         layer: int = -1,
         timer: PhaseTimer | None = None,
         expert_budget: int | None = None,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (out [T, D], router_logits [T, E]). expert_budget: see `route` (approximate)."""
+        """x [T, D] -> (out [T, D], router_logits [T, E]). expert_budget: see `route` (approximate). fused: allow the
+        fused CPU call (`_fused_cpu`); the engine's cached forward asks for it, the plain forward keeps the torch path
+        (the reference that offload and EP reproduce bit for bit)."""
         shared_in = None
         with maybe_phase(timer, "router"):
             if torch.is_grad_enabled():
@@ -186,7 +189,7 @@ class MoEBlock(nn.Module):
                 E = self.num_experts
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
-        if self._fused_cpu(x, shared_in):  # <= 32 tokens on CPU: experts, shared expert and their sum in one call
+        if fused and self._fused_cpu(x, shared_in):  # <= 32 CPU tokens: experts, shared expert and their sum, one call
             with maybe_phase(timer, "experts"):
                 se = self.shared_expert
                 shared = (shared_in, se.down_proj.weight) if se is not None else (None, None)

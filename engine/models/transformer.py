@@ -226,10 +226,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def mlp_forward(self, h: torch.Tensor, record, router_logits: list | None, timer, expert_budget=None):
-        """h [N, D] -> [N, D]."""
+    def mlp_forward(self, h: torch.Tensor, record, router_logits: list | None, timer, expert_budget=None,
+                    fused: bool = False):  # fmt: skip
+        """h [N, D] -> [N, D]. fused: the MoE block may take the fused CPU call (the cached forward)."""
         if isinstance(self.mlp, MoEBlock):
-            out, logits = self.mlp.forward(h, record=record, layer=self.layer, timer=timer, expert_budget=expert_budget)
+            out, logits = self.mlp.forward(h, record=record, layer=self.layer, timer=timer, expert_budget=expert_budget,
+                                           fused=fused)  # fmt: skip
             if router_logits is not None:
                 router_logits.append(logits)
             return out
@@ -351,7 +353,7 @@ class Model(nn.Module):
                     captured[i] = h
                 h, x = add_norm(layer.post_attention_layernorm, h, layer.self_attn.forward_cached(x, cos, sin, batch,
                                                                                                   kv, i))  # fmt: skip
-            delta = layer.mlp_forward(x, record, None, timer, expert_budget)
+            delta = layer.mlp_forward(x, record, None, timer, expert_budget, fused=True)
         with maybe_phase(timer, "lm_head"):
             h, hidden = add_norm(self.model.norm, h, delta)
             logits = linear(hidden, self.lm_head.weight)

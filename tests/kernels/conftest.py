@@ -41,3 +41,41 @@ def _one_thread():
     torch.set_num_threads(1)  # the CI machines are small and shared
     yield
     torch.set_num_threads(threads)
+
+
+def _same_engine_output_on_and_off(off) -> None:
+    """The zoo target with a CPU extension on and inside the `off()` context: cached forwards of n = 1 / 4 / 16 tokens
+    give the same logits to 1e-5, and greedy generation the same tokens, target-only and speculative, batched and one
+    request at a time."""
+    import engine
+    from engine.cost.verify_curve import CachedChain
+    from engine.paths import zoo_path
+    from engine.workloads import code_prompts, encode
+
+    target = engine.load_model(zoo_path("tiny-moe"))
+    for n in (1, 4, 16):  # decode and verification forwards
+        with CachedChain(target, 24, n, seed=n) as chain, torch.inference_mode():
+            batch = chain.batch(n)
+            on = target.forward_batch(batch, chain.kv).logits
+            with off():
+                ref = target.forward_batch(batch, chain.kv).logits
+        torch.testing.assert_close(on, ref, rtol=1e-5, atol=1e-5)
+    prompts = encode(target.tokenizer, code_prompts(2), 32)
+    eng = engine.Engine(target, drafter="ngram")
+    spec = engine.SpecConfig(depth=4, width=2)
+
+    def tokens():
+        batched = [[r.token_ids for r in eng.generate(prompts, 24, spec=s)] for s in (None, spec)]
+        single = [[r.token_ids for p in prompts for r in eng.generate([p], 24, spec=s)] for s in (None, spec)]
+        return batched + single
+
+    on_tokens = tokens()
+    with off():
+        off_tokens = tokens()
+    assert all(t == on_tokens[0] for t in on_tokens + off_tokens)
+
+
+@pytest.fixture
+def same_engine_output_on_and_off():
+    """`_same_engine_output_on_and_off(off)`: the engine-level parity check of a CPU extension against its twin."""
+    return _same_engine_output_on_and_off

@@ -152,26 +152,9 @@ def test_bad_inputs_are_refused_with_a_message():
         cpu_decode.attention(torch.zeros(1, 128), *args, torch.tensor([0]), one, torch.tensor([[99]]), None, 4, 2)
 
 
-def test_engine_logits_and_greedy_tokens_with_and_without_them():
+def test_engine_logits_and_greedy_tokens_with_and_without_them(same_engine_output_on_and_off):
     """Same logits to 1e-5 and the same greedy tokens, target-only and speculative, fused ops on and off."""
-    from engine.cost.verify_curve import CachedChain
-    from engine.workloads import code_prompts, encode
-
-    target = engine.load_model(zoo_path("tiny-moe"))
-    for n in (1, 4, 16):  # decode and verification forwards of one request
-        with CachedChain(target, 24, n, seed=n) as chain, torch.inference_mode():
-            batch = chain.batch(n)
-            on = target.forward_batch(batch, chain.kv).logits
-            with fused_off():
-                off = target.forward_batch(batch, chain.kv).logits
-        torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
-    prompts = encode(target.tokenizer, code_prompts(2), 32)
-    eng = engine.Engine(target, drafter="ngram")
-    spec = engine.SpecConfig(depth=4, width=2)
-    on_tokens = [[r.token_ids for p in prompts for r in eng.generate([p], 24, spec=s)] for s in (None, spec)]
-    with fused_off():
-        off_tokens = [[r.token_ids for p in prompts for r in eng.generate([p], 24, spec=s)] for s in (None, spec)]
-    assert on_tokens[0] == on_tokens[1] == off_tokens[0] == off_tokens[1]
+    same_engine_output_on_and_off(fused_off)
 
 
 @pytest.mark.parametrize("T", [1, 3, 9, 16, 32])
@@ -193,11 +176,11 @@ def test_moe_decode_equals_the_torch_block(T, shared, D, F_, layout):
     x = torch.randn(T, D, generator=g)
     with torch.inference_mode():
         rec = RoutingRecord()
-        out, _ = block.forward(x, record=rec)
+        out, _ = block.forward(x, record=rec, fused=True)
         with fused_off():
             assert not block._fused_cpu(x, x)
             ref_rec = RoutingRecord()
-            ref, _ = block.forward(x, record=ref_rec)
+            ref, _ = block.forward(x, record=ref_rec, fused=True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     assert torch.equal(rec.expert_ids[0], ref_rec.expert_ids[0])
     block.expert_fn = block.local_experts  # EP / offload replace the local compute: the torch path

@@ -72,10 +72,9 @@ def test_cpu_fused_moe_uses_it_and_matches_the_reference():
     torch.testing.assert_close(kernels.fused_moe(hidden, gu, down, ids, wts), ref, rtol=1e-5, atol=1e-4)
 
 
-def test_engine_logits_and_greedy_tokens_with_and_without_it():
-    """Same logits to 1e-5 and the same greedy tokens, target-only and speculative, kernel on and off."""
-    from engine.workloads import code_prompts, encode
-
+def test_engine_logits_and_greedy_tokens_with_and_without_it(same_engine_output_on_and_off):
+    """Same logits to 1e-5 and the same greedy tokens, target-only and speculative, kernel on and off (every matmul of
+    these forwards has <= 16 rows, the kernel's range), and the same plain uncached logits."""
     target = engine.load_model(zoo_path("tiny-moe"))
     ids = torch.tensor([list(range(5, 40))])
     with torch.inference_mode():
@@ -83,22 +82,7 @@ def test_engine_logits_and_greedy_tokens_with_and_without_it():
         with kernel_off():
             off = target.logits(ids)
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
-    from engine.cost.verify_curve import CachedChain
-
-    for n in (1, 4, 16):  # decode and verification forwards: every matmul has <= 16 rows, the kernel's range
-        with CachedChain(target, 24, n, seed=n) as chain, torch.inference_mode():
-            batch = chain.batch(n)
-            on = target.forward_batch(batch, chain.kv).logits
-            with kernel_off():
-                off = target.forward_batch(batch, chain.kv).logits
-        torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
-    prompts = encode(target.tokenizer, code_prompts(2), 32)
-    eng = engine.Engine(target, drafter="ngram")
-    spec = engine.SpecConfig(depth=4, width=2)
-    on_tokens = [[r.token_ids for r in eng.generate(prompts, 24, spec=s)] for s in (None, spec)]
-    with kernel_off():
-        off_tokens = [[r.token_ids for r in eng.generate(prompts, 24, spec=s)] for s in (None, spec)]
-    assert on_tokens[0] == on_tokens[1] == off_tokens[0] == off_tokens[1]
+    same_engine_output_on_and_off(kernel_off)
 
 
 def test_a_stale_build_lock_is_cleared(tmp_path):
