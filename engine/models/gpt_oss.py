@@ -156,8 +156,9 @@ class GptOssMoE(MoEBlock):
         layer: int = -1,
         timer: PhaseTimer | None = None,
         expert_budget: int | None = None,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (out [T, D], router_logits [T, E])."""
+        """x [T, D] -> (out [T, D], router_logits [T, E]). fused: ignored (no fused CPU call for biased experts)."""
         with maybe_phase(timer, "router"):
             router_logits, topk_weights, expert_ids = self.route(x, None, expert_budget)
         with maybe_phase(timer, "experts"):
