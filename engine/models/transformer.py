@@ -162,7 +162,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         return self.o_proj(self._sdpa(q, k, v, None, causal=True))
 
-    def _fused_cpu(self, x: torch.Tensor, batch: ForwardBatch, kv) -> bool:
+    def _fused_cpu(self, x: torch.Tensor, kv) -> bool:
         """Whether the packed tokens take the fused C++ attention (kernels.cpu_decode): CPU fp32, an fp32 cache, no
         qk-norm over the whole projection, no qkv clip."""
         cfg = self.cfg
@@ -175,7 +175,7 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv, layer: int) -> torch.Tensor:
         """x [N, D] packed tokens -> [N, D], writing their K/V into the cache first."""
-        if self._fused_cpu(x, batch, kv):  # qk-norm, RoPE, K/V write and attention in one call
+        if self._fused_cpu(x, kv):  # qk-norm, RoPE, K/V write and attention in one call
             w, b = self._fused_qkv()
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0

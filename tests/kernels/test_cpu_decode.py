@@ -66,12 +66,12 @@ def test_attention_equals_the_torch_path(H, Hkv, hd, qk_norm, bias, rd, n, maske
     x = torch.randn(n, 96, generator=g)
     k0, v0 = kv.k.clone(), kv.v.clone()
     with torch.inference_mode():
-        assert attn._fused_cpu(x, batch, kv)
+        assert attn._fused_cpu(x, kv)
         out = attn.forward_cached(x, cos, sign_sin(sin), batch, kv, 0)
         k1, v1 = kv.k.clone(), kv.v.clone()
         kv.k.copy_(k0), kv.v.copy_(v0)
         with fused_off():
-            assert not attn._fused_cpu(x, batch, kv)
+            assert not attn._fused_cpu(x, kv)
             ref = attn.forward_cached(x, cos, sign_sin(sin), batch, kv, 0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     torch.testing.assert_close(k1, kv.k, rtol=1e-5, atol=1e-5 * float(kv.k.abs().max()))
