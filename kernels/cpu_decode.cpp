@@ -200,14 +200,18 @@ void dots(const float* x, int64_t ldx, const float* W, int64_t s_out, int64_t ou
 using DotsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 constexpr DotsFn kDots[] = {dots<1>, dots<2>, dots<3>, dots<4>, dots<5>, dots<6>, dots<7>, dots<8>};
 
-// y[m, :out] = W x[m] (m < rows <= 8) for W [out, in] given by its strides: input-major (s_out == 1, memory [in, out]
-// with row stride s_in: the small-M sweep) or row-major (s_in == 1: `dots`).
+// y[m, :out] = W x[m] (m < rows <= kBlock) for W [out, in] given by its strides: input-major (s_out == 1, memory
+// [in, out] with row stride s_in: the small-M sweep, one read for all rows) or row-major (s_in == 1: `dots`, one read
+// per 8 rows).
+constexpr int64_t kBlock = expertspec::kMaxBlock;  // tokens per read of an expert's weights
 void matvecs(int64_t rows, const float* x, int64_t ldx, const float* W, int64_t out, int64_t in, int64_t s_out,
              int64_t s_in, float* y, int64_t ldy) {
-  if (s_out == 1)
+  if (s_out == 1) {
     expertspec::kSweeps[rows - 1](x, ldx, W, s_in, in, nullptr, y, ldy, 0, out);
-  else
-    kDots[rows - 1](x, ldx, W, s_out, out, in, y, ldy);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < rows; m0 += 8)
+    kDots[std::min<int64_t>(8, rows - m0) - 1](x + m0 * ldx, ldx, W, s_out, out, in, y + m0 * ldy, ldy);
 }
 
 void check_moe(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode.moe_decode: ", what); }
@@ -253,12 +257,12 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
   auto out = torch::zeros({T, D}, x.options());
   float* op = out.data_ptr<float>();
   const int64_t H = 2 * std::max(F, Fs);
-  std::vector<float> xs(8 * D), h(8 * H), y(8 * D);
+  std::vector<float> xs(kBlock * D), h(kBlock * H), y(kBlock * D);
   for (int64_t e = 0; e < E; ++e) {
     const float* g = gu.data_ptr<float>() + e * gu.stride(0);
     const float* dn = down.data_ptr<float>() + e * down.stride(0);
-    for (size_t b = 0; b < cells[e].size(); b += 8) {  // blocks of <= 8 tokens: one read of the expert each
-      const int64_t rows = std::min<int64_t>(8, cells[e].size() - b);
+    for (size_t b = 0; b < cells[e].size(); b += kBlock) {  // blocks of <= kBlock tokens: one read of the expert each
+      const int64_t rows = std::min<int64_t>(kBlock, cells[e].size() - b);
       for (int64_t i = 0; i < rows; ++i) std::copy_n(xp + cells[e][b + i] / r * D, D, xs.data() + i * D);
       matvecs(rows, xs.data(), D, g, 2 * F, D, gu.stride(1), gu.stride(2), h.data(), H);
       for (int64_t i = 0; i < rows; ++i)
@@ -271,8 +275,8 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
     const float* si = shared_in->data_ptr<float>();
     const int64_t ld = shared_in->stride(0);
     const float* sd = shared_down->data_ptr<float>();
-    for (int64_t t0 = 0; t0 < T; t0 += 8) {
-      const int64_t rows = std::min<int64_t>(8, T - t0);
+    for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
+      const int64_t rows = std::min<int64_t>(kBlock, T - t0);
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t f = 0; f < Fs; ++f) h[i * H + f] = silu(si[(t0 + i) * ld + f]) * si[(t0 + i) * ld + Fs + f];
       matvecs(rows, h.data(), H, sd, D, Fs, shared_down->stride(0), shared_down->stride(1), y.data(), D);

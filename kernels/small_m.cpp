@@ -1,7 +1,7 @@
 // Small-M fp32 linear for CPU decode and verification: y[M, N] = x[M, K] @ wt[K, N] (+ bias), M <= 16.
 //
 // wt is the weight stored input-major ([in, out] rows contiguous: engine.models.layout). Its rows are swept in
-// memory order, U = 4 at a time, once per block of <= 8 rows, so the weight streams close to the read bandwidth;
+// memory order (kernels/sweep.h), once for all <= 16 rows, so the weight streams close to the read bandwidth;
 // y[m, n] starts at bias[n] (or 0) and accumulates x[m, k] * wt[k, n] over k in order with one FMA each, so a
 // row's result has the same bits whatever M is (batch-invariant). AVX-512F; the loader (small_m.py) checks the CPU.
 #include <ATen/Parallel.h>
@@ -37,7 +37,7 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   const float* wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t vectors = (N + kLanes - 1) / kLanes;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxBlock) {  // blocks of <= 8 rows, each a sweep of the weight
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxBlock) {  // one sweep of the weight (kMaxBlock = kMaxRows)
     const int64_t rows = std::min<int64_t>(kMaxBlock, M - m0);
     const SweepFn fn = kSweeps[rows - 1];
     const float* xb = xp + m0 * x.stride(0);

@@ -3,12 +3,12 @@
     from kernels.small_m import linear
     y = linear(x, w, b)      # == F.linear(x, w, b) [M, N]; the kernel when `supports(x, w, b)`, else F.linear
 
-Why: a verification forward (or a batched decode step) multiplies 2-16 token rows by each weight. MKL reads a
-weight at 19-25 GB/s for M = 1 but at only 5-13 GB/s for M = 2..16 on the development CPU (README, issue 12); one
-row stays on MKL's gemv, which is as fast. This kernel sweeps the
-input-major weight ([in, out] in memory, `engine.models.layout`) in memory order, once per block of <= 8 rows
-(M <= 16), and keeps y[m, n] = bias[n] + Σ_k x[m, k] · w[n, k] summed over k in order, so a row's bits do not
-depend on how many rows share the call (batch-invariant), and differ from MKL's by ~1e-6 relative (tested).
+Why: a decode step multiplies one token row by each weight, a verification forward (or a batched decode step)
+2-16. MKL reads a weight at 18-25 GB/s for M = 1 but at only 5-15 GB/s for M = 2..16 on the development CPU; this
+kernel sweeps the input-major weight ([in, out] in memory, `engine.models.layout`) in memory order once for all
+M <= 16 rows (kernels/sweep.h) at 19-37 GB/s for one row and 10-33 GB/s for 2-16 (cold weights, one thread;
+README, issue 12), and keeps y[m, n] = bias[n] + Σ_k x[m, k] · w[n, k] summed over k in order, so a row's bits do
+not depend on how many rows share the call (batch-invariant), and differ from MKL's by ~1e-6 relative (tested).
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (~30 s once; cached under
 ~/.cache/torch_extensions) and used only on an AVX-512 CPU. It is off when `EXPERTSPEC_SMALL_M=0`, when no
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kernels.cpp_build import CppExtension, clear_stale_lock, needs_avx512
 
-MIN_ROWS, MAX_ROWS = 2, 16  # one row: MKL's gemv is as fast (README), and the call costs less
+MIN_ROWS, MAX_ROWS = 1, 16
 
 _EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3", "-mavx512f", "-mfma"), needs_avx512, "on (AVX-512)")
 _state = _EXT.state  # {"module", "status"}
@@ -32,7 +32,7 @@ _clear_stale_lock = clear_stale_lock
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-    """Whether `linear` takes the kernel: CPU fp32, no autograd, x [2 <= M <= 16, K] with contiguous rows, w [N, K]
+    """Whether `linear` takes the kernel: CPU fp32, no autograd, x [1 <= M <= 16, K] with contiguous rows, w [N, K]
     stored input-major (w.t() contiguous), bias None or contiguous fp32, and the extension on."""
     return (
         x.dim() == 2
