@@ -38,6 +38,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// e^x for 16 lanes (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial, 2^n by vscalefps, which also
+// underflows to exactly 0 below e^-110 and saturates): within 2 ulp of std::exp, which as a scalar call was most of the time of the SwiGLU
+// activations and the softmax at a few tokens (a forward's ~10^5 exponentials).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
 inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
   const __m512 va = _mm512_set1_ps(a);
   int64_t i = 0;
@@ -132,17 +151,23 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
       const int64_t g = h / group;
       float top = -INFINITY;
       for (int64_t j = 0; j < S; ++j) {
-        if (mt && !mt[j]) continue;
+        if (mt && !mt[j]) {
+          p[j] = -INFINITY;  // e^-inf = 0 below
+          continue;
+        }
         p[j] = dot(qh, K + (rs[j] * Hkv + g) * hd, hd) * scale;
         top = std::max(top, p[j]);
       }
       if (top == -INFINITY) continue;  // sees no key: zeros (SDPA would give NaN; padding rows only)
-      float sum = 0.0f;
-      for (int64_t j = 0; j < S; ++j) {
-        if (mt && !mt[j]) continue;
-        p[j] = std::exp(p[j] - top);
-        sum += p[j];
+      __m512 acc = _mm512_setzero_ps();
+      const __m512 vtop = _mm512_set1_ps(top);
+      for (int64_t j = 0; j < S; j += 16) {
+        const __mmask16 m = S - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.data() + j), vtop)));
+        _mm512_mask_storeu_ps(p.data() + j, m, e);
+        acc = _mm512_add_ps(acc, e);
       }
+      const float sum = _mm512_reduce_add_ps(acc);
       float* oh = O + t * H * hd + h * hd;
       for (int64_t j = 0; j < S; ++j) {
         if (mt && !mt[j]) continue;
@@ -176,7 +201,15 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const c10::optio
   return {sum, out};
 }
 
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+// out[f] = silu(g[f]) * u[f] = g / (1 + e^-g) * u for f < F (out may alias g)
+inline void silu_mul(const float* g, const float* u, float* out, int64_t F) {
+  for (int64_t f = 0; f < F; f += 16) {
+    const __mmask16 m = F - f >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (F - f)) - 1u);
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g + f);
+    const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    _mm512_mask_storeu_ps(out + f, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, u + f)));
+  }
+}
 
 // y[m, :out] = W x[m] for M <= 8 rows and a row-major W [out, in] (row stride s_out): each weight row read once for
 // the M rows, one dot product per (row, output).
@@ -265,8 +298,7 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
       const int64_t rows = std::min<int64_t>(kBlock, cells[e].size() - b);
       for (int64_t i = 0; i < rows; ++i) std::copy_n(xp + cells[e][b + i] / r * D, D, xs.data() + i * D);
       matvecs(rows, xs.data(), D, g, 2 * F, D, gu.stride(1), gu.stride(2), h.data(), H);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t f = 0; f < F; ++f) h[i * H + f] = silu(h[i * H + f]) * h[i * H + F + f];
+      for (int64_t i = 0; i < rows; ++i) silu_mul(h.data() + i * H, h.data() + i * H + F, h.data() + i * H, F);
       matvecs(rows, h.data(), H, dn, D, F, down.stride(1), down.stride(2), y.data(), D);
       for (int64_t i = 0; i < rows; ++i) axpy(wt[cells[e][b + i]], y.data() + i * D, op + cells[e][b + i] / r * D, D);
     }
@@ -277,8 +309,7 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
     const float* sd = shared_down->data_ptr<float>();
     for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
       const int64_t rows = std::min<int64_t>(kBlock, T - t0);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t f = 0; f < Fs; ++f) h[i * H + f] = silu(si[(t0 + i) * ld + f]) * si[(t0 + i) * ld + Fs + f];
+      for (int64_t i = 0; i < rows; ++i) silu_mul(si + (t0 + i) * ld, si + (t0 + i) * ld + Fs, h.data() + i * H, Fs);
       matvecs(rows, h.data(), H, sd, D, Fs, shared_down->stride(0), shared_down->stride(1), y.data(), D);
       for (int64_t i = 0; i < rows; ++i) {
         const float gate = shared_gated ? 1.0f / (1.0f + std::exp(-si[(t0 + i) * ld + 2 * Fs])) : 1.0f;
