@@ -88,7 +88,7 @@ def moe_decode(
 ) -> torch.Tensor:
     """T tokens x [T, D] (the engine sends T <= MAX_MOE_TOKENS) -> [T, D]:
     Σ_s w_s down_e(silu(gate_e x) * up_e x) over expert_ids [T, r] (-1: contributes 0), w_gate_up [E, 2F, D] and
-    w_down [E, D, F] read in place, once per block of <= 8 of the tokens routed to e; plus, when shared_in
+    w_down [E, D, F] read in place, once per block of <= 16 of the tokens routed to e; plus, when shared_in
     [T, 2Fs (+1)] is given (the shared expert's gate / up projections and, gated, its gate logit),
     sigmoid(logit) * shared_down [D, Fs] (silu(g) * u). The caller checks `applies(x)`."""
     return load().moe_decode(x.contiguous(), w_gate_up, w_down, expert_ids.contiguous(),
