@@ -320,10 +320,47 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
   return out;
 }
 
+// Softmax top-r routing of T tokens: logits [T, E] (rows may be strided: a slice of the fused input projection) ->
+// (weights [T, r] fp32, ids [T, r] int64): the r largest logits of each row in descending order (ties: the lower
+// expert id first; the softmax is monotonic, so these are the r largest probabilities), each weighted by its softmax
+// probability e^(l - max) / sum, renormalised over the r when `norm` (MoEBlock.route's torch ops, in one call).
+std::vector<torch::Tensor> route_softmax(const torch::Tensor& logits, int64_t r, bool norm) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == torch::kFloat,
+              "cpu_decode.route_softmax: logits [T, E] fp32 with contiguous rows");
+  const int64_t T = logits.size(0), E = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(r >= 1 && r <= E, "cpu_decode.route_softmax: 1 <= r <= E");
+  auto w = torch::empty({T, r}, logits.options());
+  auto ids = torch::empty({T, r}, logits.options().dtype(torch::kLong));
+  const float* L = logits.data_ptr<float>();
+  float* W = w.data_ptr<float>();
+  int64_t* I = ids.data_ptr<int64_t>();
+  std::vector<int64_t> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = L + t * ld;
+    float top = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) top = std::max(top, l[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - top);
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + r, order.end(),
+                      [l](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    float picked = 0.0f;
+    for (int64_t k = 0; k < r; ++k) {
+      I[t * r + k] = order[k];
+      W[t * r + k] = std::exp(l[order[k]] - top) / sum;
+      picked += W[t * r + k];
+    }
+    if (norm)
+      for (int64_t k = 0; k < r; ++k) W[t * r + k] /= picked;
+  }
+  return {w, ids};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "qk-norm, RoPE, K/V write and attention of one request's n tokens (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * w), fp32 rows");
   m.def("moe_decode", &moe_decode, "T tokens' routed experts and shared expert (fp32)");
+  m.def("route_softmax", &route_softmax, "softmax top-r routing weights and ids of T tokens (fp32)");
 }

@@ -7,6 +7,7 @@ with the torch ops of `engine.models.transformer.Attention.forward_cached`, `F.r
                                write_slots, pad_index, read_slots, mask, H, Hkv)    # [n, H*hd]
     h, x = cpu_decode.add_rms_norm(h, delta, weight, eps)               # (h + delta, rms_norm(h + delta) * w)
     out = cpu_decode.moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated)   # [T, D]
+    weights, ids = cpu_decode.route_softmax(router_logits, r, norm)     # [T, r] fp32, [T, r] int64
 
 Why: at one request and a few tokens, a layer's attention (qk-norm, RoPE, K/V writes, SDPA and its transposes)
 is ~15 ATen ops, each RMSNorm ~8 and a few tokens' experts and shared expert ~30 (with the permutation
@@ -93,3 +94,11 @@ def moe_decode(
     sigmoid(logit) * shared_down [D, Fs] (silu(g) * u). The caller checks `applies(x)`."""
     return load().moe_decode(x.contiguous(), w_gate_up, w_down, expert_ids.contiguous(),
                              topk_weights.float().contiguous(), shared_in, shared_down, shared_gated)  # fmt: skip
+
+
+def route_softmax(router_logits: torch.Tensor, top_r: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-r routing of T tokens, `MoEBlock.route`'s torch ops (softmax, topk, renormalisation) in one call:
+    router_logits [T, E] fp32 (rows contiguous, may be a slice) -> topk_weights [T, r] fp32, expert_ids [T, r] int64:
+    the r largest logits of each row in descending order (ties: lower id first). The caller checks `applies`."""
+    w, ids = load().route_softmax(router_logits, top_r, norm)
+    return w, ids

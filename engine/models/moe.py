@@ -159,6 +159,10 @@ class MoEBlock(nn.Module):
                 self.norm_topk_prob, self.routed_scaling_factor, budget,
             )  # fmt: skip
             return router_logits, topk_weights.to(x.dtype), expert_ids
+        exact = expert_budget is None or x.shape[0] <= 1
+        if exact and router_logits.stride(-1) == 1 and cpu_decode.applies(router_logits):  # the ops below, one C++ call
+            topk_weights, expert_ids = cpu_decode.route_softmax(router_logits, self.top_r, self.norm_topk_prob)
+            return router_logits, topk_weights, expert_ids
         router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
         dropped = budget_dropped(router_probs, expert_budget, self.top_r)
         if dropped is not None:

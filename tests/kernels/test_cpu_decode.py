@@ -204,3 +204,37 @@ def test_moe_decode_skips_non_local_experts_like_the_reference():
     w = torch.rand(T, r, generator=g)
     ref = kernels.fused_moe_ref(x, gu, down, ids, w)
     torch.testing.assert_close(cpu_decode.moe_decode(x, gu, down, ids, w), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("T, E, r", [(1, 16, 2), (5, 64, 8), (32, 8, 2), (3, 60, 4), (2, 4, 4)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_route_softmax_equals_the_torch_ops(T, E, r, norm):
+    g = torch.Generator().manual_seed(T * 100 + E + r)
+    logits = torch.randn(T, E + 9, generator=g)[:, :E]  # a slice of the fused input projection: strided rows
+    logits[0, 1] = logits[0, 0]  # a tie: the lower expert id first
+    w, ids = cpu_decode.route_softmax(logits, r, norm)
+    probs = torch.softmax(logits, dim=-1)
+    ref_w = probs.gather(1, ids)
+    if norm:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    assert ids.dtype == torch.long and w.dtype == torch.float32
+    order = logits.gather(1, ids)
+    assert bool((order[:, :-1] >= order[:, 1:]).all())  # descending
+    assert torch.equal(order, logits.topk(r, dim=-1).values)  # the r largest
+    tied = ids[0].tolist()
+    if 0 in tied and 1 in tied:
+        assert tied.index(0) < tied.index(1)
+
+
+def test_block_routing_with_and_without_the_fused_call():
+    from engine.models.moe import MoEBlock
+
+    block = MoEBlock(32, 12, 3, 16, True).eval()
+    x = torch.randn(7, 32)
+    with torch.inference_mode():
+        got = block.route(x)
+        with fused_off():
+            ref = block.route(x)
+    assert torch.equal(got[2], ref[2])
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
