@@ -27,20 +27,23 @@
 
 namespace {
 
+// The first min(n, 16) lanes (n >= 1): the mask of a loop's last, partial vector.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
 inline float dot(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   if (i < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+    const __mmask16 m = first_lanes(n - i);
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
 
 // e^x for 16 lanes (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial, 2^n by vscalefps, which also
-// underflows to exactly 0 below e^-110 and saturates): within 2 ulp of std::exp, which as a scalar call was most of the time of the SwiGLU
-// activations and the softmax at a few tokens (a forward's ~10^5 exponentials).
+// underflows to exactly 0 below e^-110 and saturates): within 2 ulp of std::exp, which as a scalar call was most of
+// the time of the SwiGLU activations and the softmax at a few tokens (a forward's ~10^5 exponentials).
 inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(88.3762626647949f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -162,7 +165,7 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
       __m512 acc = _mm512_setzero_ps();
       const __m512 vtop = _mm512_set1_ps(top);
       for (int64_t j = 0; j < S; j += 16) {
-        const __mmask16 m = S - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1u);
+        const __mmask16 m = first_lanes(S - j);
         const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.data() + j), vtop)));
         _mm512_mask_storeu_ps(p.data() + j, m, e);
         acc = _mm512_add_ps(acc, e);
@@ -204,7 +207,7 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const c10::optio
 // out[f] = silu(g[f]) * u[f] = g / (1 + e^-g) * u for f < F (out may alias g)
 inline void silu_mul(const float* g, const float* u, float* out, int64_t F) {
   for (int64_t f = 0; f < F; f += 16) {
-    const __mmask16 m = F - f >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (F - f)) - 1u);
+    const __mmask16 m = first_lanes(F - f);
     const __m512 gv = _mm512_maskz_loadu_ps(m, g + f);
     const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     _mm512_mask_storeu_ps(out + f, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, u + f)));
@@ -335,19 +338,20 @@ std::vector<torch::Tensor> route_softmax(const torch::Tensor& logits, int64_t r,
   float* W = w.data_ptr<float>();
   int64_t* I = ids.data_ptr<int64_t>();
   std::vector<int64_t> order(E);
+  std::vector<float> ex(E);  // e^(l - max) of one row
   for (int64_t t = 0; t < T; ++t) {
     const float* l = L + t * ld;
     float top = -INFINITY;
     for (int64_t e = 0; e < E; ++e) top = std::max(top, l[e]);
     float sum = 0.0f;
-    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - top);
+    for (int64_t e = 0; e < E; ++e) sum += ex[e] = std::exp(l[e] - top);
     for (int64_t e = 0; e < E; ++e) order[e] = e;
     std::partial_sort(order.begin(), order.begin() + r, order.end(),
                       [l](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
     float picked = 0.0f;
     for (int64_t k = 0; k < r; ++k) {
       I[t * r + k] = order[k];
-      W[t * r + k] = std::exp(l[order[k]] - top) / sum;
+      W[t * r + k] = ex[order[k]] / sum;
       picked += W[t * r + k];
     }
     if (norm)

@@ -16,7 +16,6 @@ using expertspec::kLanes;
 using expertspec::kMaxBlock;
 using expertspec::kSweeps;
 using expertspec::SweepFn;
-constexpr int64_t kMaxRows = 16;
 
 }  // namespace
 
@@ -25,7 +24,7 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x.stride(1) == 1 && wt.stride(1) == 1, "x and wt rows must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = wt.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "1 <= M <= 16 rows");
+  TORCH_CHECK(M >= 1 && M <= kMaxBlock, "1 <= M <= 16 rows");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
@@ -37,15 +36,10 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   const float* wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t vectors = (N + kLanes - 1) / kLanes;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxBlock) {  // one sweep of the weight (kMaxBlock = kMaxRows)
-    const int64_t rows = std::min<int64_t>(kMaxBlock, M - m0);
-    const SweepFn fn = kSweeps[rows - 1];
-    const float* xb = xp + m0 * x.stride(0);
-    float* yb = yp + m0 * N;
-    at::parallel_for(0, vectors, 32, [&](int64_t v0, int64_t v1) {
-      fn(xb, x.stride(0), wp, wt.stride(0), K, b, yb, N, v0 * kLanes, std::min(N, v1 * kLanes));
-    });
-  }
+  const SweepFn fn = kSweeps[M - 1];  // one sweep of the weight for all M rows
+  at::parallel_for(0, vectors, 32, [&](int64_t v0, int64_t v1) {
+    fn(xp, x.stride(0), wp, wt.stride(0), K, b, yp, N, v0 * kLanes, std::min(N, v1 * kLanes));
+  });
   return y;
 }
 

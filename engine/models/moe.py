@@ -27,7 +27,7 @@ from torch import nn
 
 import kernels
 from engine.models.layout import preferred_layout
-from engine.models.routing import budget_dropped, sigmoid_group_topk
+from engine.models.routing import budget_applies, budget_dropped, sigmoid_group_topk
 from engine.timing import PhaseTimer, maybe_phase
 from kernels import cpu_decode
 from kernels.small_m import linear
@@ -159,7 +159,7 @@ class MoEBlock(nn.Module):
                 self.norm_topk_prob, self.routed_scaling_factor, budget,
             )  # fmt: skip
             return router_logits, topk_weights.to(x.dtype), expert_ids
-        exact = expert_budget is None or x.shape[0] <= 1
+        exact = not budget_applies(x.shape[0], self.num_experts, expert_budget, self.top_r)
         if exact and router_logits.stride(-1) == 1 and cpu_decode.applies(router_logits):  # the ops below, one C++ call
             topk_weights, expert_ids = cpu_decode.route_softmax(router_logits, self.top_r, self.norm_topk_prob)
             return router_logits, topk_weights, expert_ids

@@ -15,12 +15,18 @@ from __future__ import annotations
 import torch
 
 
+def budget_applies(num_tokens: int, num_experts: int, expert_budget: int | None, top_r: int) -> bool:
+    """Whether MoE-Spec's expert budget changes the routing of these tokens: a budget B with r <= B < E and more
+    than one token (else routing is exact)."""
+    return expert_budget is not None and num_tokens > 1 and top_r <= expert_budget < num_experts
+
+
 def budget_dropped(scores: torch.Tensor, expert_budget: int | None, top_r: int) -> torch.Tensor | None:
     """MoE-Spec's verification-time expert budget (2602.16052, approximate): scores [T, E] (router probabilities
     or sigmoid scores) -> bool [E], True for the experts outside the B of largest score summed over the T tokens;
-    None when the budget does not apply (no budget, a single token, or B outside [r, E))."""
+    None when the budget does not apply (`budget_applies`)."""
     T, E = scores.shape
-    if expert_budget is None or T <= 1 or not top_r <= expert_budget < E:
+    if not budget_applies(T, E, expert_budget, top_r):
         return None
     keep = scores.sum(0).topk(expert_budget).indices  # [B]
     return torch.ones(E, dtype=torch.bool, device=scores.device).index_fill_(0, keep, False)
