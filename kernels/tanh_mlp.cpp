@@ -1,14 +1,26 @@
-// A frozen policy's Linear (Tanh Linear)* actor on CPU: observation values -> one argmax per action dimension.
+// A frozen policy's choice between two engine rounds on CPU, in one call: observation values -> one argmax per
+// action dimension of its Linear (Tanh Linear)* actor, and optionally the values themselves read straight from the
+// request's History.
 //
-// What engine.runtime.frozen's numpy twin computes, in one call and float64: each value is rounded to float32 and
+// The actor computes what engine.runtime.frozen's numpy twin does, in float64: each value is rounded to float32 and
 // clipped to [0, 1] (observation_vector's last step, idempotent on a vector that already had it), clipped to the
 // folded normalisation's [lo, hi], then x <- tanh(W x + b) per hidden layer and logits = W_out x + b_out over the
 // padded output [D * width] (padding at -inf), argmax (first maximum, NaN wins, as numpy's) in each dimension's
-// row of `width`. Plain C++ (no CPU-specific flags): between two engine rounds the numpy twin's dozen calls cost
-// ~80 us with cold caches, this one call a few.
+// row of `width`.
+//
+// `choose` also computes the values: engine.runtime.observation.observation_values (the reference twin, equal bit
+// for bit: tested) over the History's attributes and its last RoundStats, the calibrated block from the isotonic
+// knots the policy was frozen with (engine.spec.calibration.interp's arithmetic).
+//
+// Why one call, and why the raw CPython calling convention for the hot entry points (`act`, `choose`, `values`,
+// METH_FASTCALL on a capsule) rather than pybind11's dispatcher: after a model forward every first call starts with
+// cold caches, and measured in place (engine.bench policy, README) a pybind11 call that does nothing costs ~12 us
+// there against ~6 us for a raw one; the observation values in Python ~30 us. Plain C++ (no CPU-specific flags, no
+// FP contraction: the calibration's interpolation must round as Python's does).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -19,6 +31,10 @@
 namespace py = pybind11;
 
 namespace {
+
+constexpr const char* kCapsule = "expertspec.tanh_mlp.TanhMLP";
+constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_DIM is 38)
+constexpr int kMaxWidth = 1024;  // widest layer the stack buffers hold
 
 struct Layer {
   std::vector<double> wt;  // [in, out]: the weight transposed, so a layer is `in` independent axpy sweeps
@@ -31,6 +47,22 @@ inline double clip(double x, double lo, double hi) {  // numpy's minimum(maximum
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
+// engine.spec.calibration.interp (np.interp for one float), same operations in the same order.
+double interp(double x, const std::vector<double>& xp, const std::vector<double>& fp) {
+  if (xp.size() == 1) return fp[0];
+  if (x != x) return x;
+  const int64_t j = static_cast<int64_t>(std::upper_bound(xp.begin(), xp.end(), x) - xp.begin()) - 1;  // bisect_right
+  if (j < 0) return fp[0];
+  if (j >= static_cast<int64_t>(xp.size()) - 1 || xp[j] == x) return fp[j];
+  const double slope = (fp[j + 1] - fp[j]) / (xp[j + 1] - xp[j]);
+  double y = slope * (x - xp[j]) + fp[j];
+  if (y != y) {
+    y = slope * (x - xp[j + 1]) + fp[j + 1];
+    if (y != y && fp[j] == fp[j + 1]) y = fp[j];
+  }
+  return y;
+}
+
 class TanhMLP {
  public:
   TanhMLP(std::vector<double> lo, std::vector<double> hi, std::vector<std::vector<double>> weights,
@@ -40,6 +72,7 @@ class TanhMLP {
       throw std::invalid_argument("TanhMLP: needs one bias per weight matrix and at least the output layer");
     int64_t in = static_cast<int64_t>(lo_.size());
     if (in == 0 || hi_.size() != lo_.size()) throw std::invalid_argument("TanhMLP: lo and hi differ in length");
+    if (in > kMaxIn) throw std::invalid_argument("TanhMLP: more than " + std::to_string(kMaxIn) + " inputs");
     for (size_t i = 0; i < weights.size(); ++i) {
       const int64_t out = static_cast<int64_t>(biases[i].size());
       if (out == 0 || static_cast<int64_t>(weights[i].size()) != out * in)
@@ -48,7 +81,11 @@ class TanhMLP {
       std::vector<double> wt(out * in);
       for (int64_t j = 0; j < out; ++j)
         for (int64_t k = 0; k < in; ++k) wt[k * out + j] = weights[i][j * in + k];
+      if (out > kMaxWidth)
+        throw std::invalid_argument("TanhMLP: layer " + std::to_string(i) + " is wider than " +
+                                    std::to_string(kMaxWidth));
       layers_.push_back({std::move(wt), std::move(biases[i]), out, in});
+      widest_ = std::max(widest_, out);
       in = out;
     }
     if (dims_ <= 0 || in % dims_ != 0)
@@ -56,59 +93,412 @@ class TanhMLP {
     width_ = in / dims_;
   }
 
-  // Padded logits [D * width] of `values` [in].
-  std::vector<double> logits(const std::vector<double>& values) const {
+  // The observation layout `choose` writes (observation_values'): kmax draft depths, and the isotonic knots per
+  // depth of the policy's calibration (none: the raw confidences fill the calibrated block).
+  void set_observation(int64_t kmax, std::vector<std::vector<double>> knots_x,
+                       std::vector<std::vector<double>> knots_y) {
+    if (kmax <= 0 || 3 * kmax + 14 != static_cast<int64_t>(lo_.size()))
+      throw std::invalid_argument("TanhMLP: " + std::to_string(lo_.size()) + " inputs is not the observation "
+                                  "layout of kmax " + std::to_string(kmax) + " (3 kmax + 14 values)");
+    if (knots_x.size() != knots_y.size()) throw std::invalid_argument("TanhMLP: knots_x and knots_y differ");
+    for (size_t d = 0; d < knots_x.size(); ++d)
+      if (knots_x[d].size() != knots_y[d].size())
+        throw std::invalid_argument("TanhMLP: depth " + std::to_string(d + 1) + "'s knots differ in length");
+    kmax_ = kmax;
+    knots_x_ = std::move(knots_x);
+    knots_y_ = std::move(knots_y);
+  }
+
+  int64_t inputs() const { return static_cast<int64_t>(lo_.size()); }
+  int64_t kmax() const { return kmax_; }
+
+  double calibrate(double c, int64_t depth) const {  // IsotonicCalibration.__call__
+    const int64_t n = static_cast<int64_t>(knots_x_.size());
+    const int64_t d = std::min(std::max(depth, int64_t{1}), n) - 1;
+    const std::vector<double>& xs = knots_x_[d];
+    return xs.empty() ? c : interp(c, xs, knots_y_[d]);
+  }
+  bool calibrated() const { return !knots_x_.empty(); }
+
+  // Padded logits [D * width] of `values` [in] into `z` (size >= widest layer).
+  void logits_into(const double* values, double* z) const {
+    double buf[2][kMaxWidth > kMaxIn ? kMaxWidth : kMaxIn];
     const size_t n = lo_.size();
-    if (values.size() != n)
-      throw std::invalid_argument("TanhMLP: " + std::to_string(values.size()) + " observation values, expected " +
-                                  std::to_string(n));
-    std::vector<double> x(n), y;
+    double* x = buf[0];
+    double* y = buf[1];
     for (size_t k = 0; k < n; ++k) {
       const double v = clip(static_cast<double>(static_cast<float>(values[k])), 0.0, 1.0);  // float32 vector
       x[k] = clip(v, lo_[k], hi_[k]);
     }
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
-      y.assign(L.out, 0.0);  // y[j] = sum_k w[j, k] x[k] over k in order (a dot product's order), vectorised over j
-      for (int64_t k = 0; k < L.in; ++k) {
+      const bool last = l + 1 == layers_.size();
+      double* dst = last ? z : y;
+      for (int64_t j = 0; j < L.out; ++j) dst[j] = 0.0;
+      for (int64_t k = 0; k < L.in; ++k) {  // dst[j] = sum_k w[j, k] x[k] over k in order, vectorised over j
         const double* w = L.wt.data() + k * L.out;
         const double xk = x[k];
-        for (int64_t j = 0; j < L.out; ++j) y[j] += w[j] * xk;
+        for (int64_t j = 0; j < L.out; ++j) dst[j] += w[j] * xk;
       }
-      const bool last = l + 1 == layers_.size();
-      for (int64_t j = 0; j < L.out; ++j) y[j] = last ? y[j] + L.b[j] : std::tanh(y[j] + L.b[j]);
-      x.swap(y);
+      for (int64_t j = 0; j < L.out; ++j) dst[j] = last ? dst[j] + L.b[j] : std::tanh(dst[j] + L.b[j]);
+      std::swap(x, y);
     }
-    return x;
   }
 
-  // Action indices, one per dimension.
-  py::tuple act(const std::vector<double>& values) const {
-    const std::vector<double> z = logits(values);
-    py::tuple idx(dims_);
+  std::vector<double> logits(const std::vector<double>& values) const {
+    check_count(static_cast<int64_t>(values.size()));
+    std::vector<double> z(widest());
+    logits_into(values.data(), z.data());
+    z.resize(dims_ * width_);
+    return z;
+  }
+
+  // (index per action dimension) as a new tuple, or nullptr with a Python error set.
+  PyObject* act_tuple(const double* values) const {
+    double z[kMaxWidth];
+    logits_into(values, z);
+    PyObject* idx = PyTuple_New(dims_);
+    if (idx == nullptr) return nullptr;
     for (int64_t d = 0; d < dims_; ++d) {
-      const double* r = z.data() + d * width_;
+      const double* r = z + d * width_;
       int64_t best = 0;
       for (int64_t i = 1; i < width_; ++i)
         if (r[best] == r[best] && (r[i] > r[best] || r[i] != r[i])) best = i;
-      idx[d] = py::int_(best);
+      PyObject* b = PyLong_FromLongLong(best);
+      if (b == nullptr) {
+        Py_DECREF(idx);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(idx, d, b);
     }
     return idx;
   }
 
+  void check_count(int64_t n) const {
+    if (n != static_cast<int64_t>(lo_.size()))
+      throw std::invalid_argument("TanhMLP: " + std::to_string(n) + " observation values, expected " +
+                                  std::to_string(lo_.size()));
+  }
+  int64_t widest() const { return widest_; }
+
  private:
   std::vector<double> lo_, hi_;
   std::vector<Layer> layers_;
-  int64_t dims_, width_ = 0;
+  int64_t dims_, width_ = 0, widest_ = 0, kmax_ = 0;
+  std::vector<std::vector<double>> knots_x_, knots_y_;
 };
+
+// ---------------------------------------------------------------- raw CPython helpers (nullptr / false: error set)
+
+PyObject* s_acc;  // interned attribute names
+PyObject* s_last;
+PyObject* s_committed_ema;
+PyObject* s_utility_ema;
+PyObject* s_rounds;
+PyObject* s_draft_confidence;
+PyObject* s_accepted;
+PyObject* s_cost;
+PyObject* s_cost_ar;
+PyObject* s_round_seconds;
+PyObject* s_verified_tokens;
+PyObject* s_distinct_experts;
+PyObject* s_new_pairs_per_node;
+PyObject* s_overlap_prev;
+PyObject* s_rank_imbalance_mean;
+PyObject* s_cross_node_ratio;
+PyObject* s_committed;
+PyObject* s_built_depth;
+PyObject* s_depth;
+
+struct Ref {  // an owned reference, released on scope exit
+  PyObject* p;
+  explicit Ref(PyObject* q) : p(q) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+};
+
+// getattr(o, name, None) as a new reference (only a missing attribute becomes None).
+PyObject* attr_or_none(PyObject* o, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (v == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  return v;
+}
+
+bool as_double(PyObject* o, double* out) {  // float(o)
+  const double d = PyFloat_AsDouble(o);
+  if (d == -1.0 && PyErr_Occurred()) return false;
+  *out = d;
+  return true;
+}
+
+bool attr_double(PyObject* o, PyObject* name, double* out) {  // float(o.name)
+  Ref v(PyObject_GetAttr(o, name));
+  return v.p != nullptr && as_double(v.p, out);
+}
+
+bool as_int(PyObject* o, long long* out) {  // int(o)
+  Ref v(PyNumber_Long(o));
+  if (v.p == nullptr) return false;
+  *out = PyLong_AsLongLong(v.p);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+bool attr_int(PyObject* o, PyObject* name, long long* out) {  // int(o.name)
+  Ref v(PyObject_GetAttr(o, name));
+  return v.p != nullptr && as_int(v.p, out);
+}
+
+// float(v or dflt) for v = getattr(o, name[, None]).
+bool attr_or_default(PyObject* o, PyObject* name, bool optional, double dflt, double* out) {
+  Ref v(optional ? attr_or_none(o, name) : PyObject_GetAttr(o, name));
+  if (v.p == nullptr) return false;
+  const int truth = v.p == Py_None ? 0 : PyObject_IsTrue(v.p);
+  if (truth < 0) return false;
+  if (!truth) {
+    *out = dflt;
+    return true;
+  }
+  return as_double(v.p, out);
+}
+
+// observation_values(h, position=..., ...) into v [3 kmax + 14]; false with a Python error set.
+bool observation_values(const TanhMLP& a, PyObject* h, long long position, long long max_new_tokens,
+                        long long batch_size, long long top_k, long long num_moe_layers, double* v) {
+  const int64_t K = a.kmax();
+  if (K <= 0) {
+    PyErr_SetString(PyExc_ValueError, "TanhMLP: set_observation() was not called");
+    return false;
+  }
+  int64_t i = 0;
+  {  // v = list(h.acc)
+    Ref acc(PyObject_GetAttr(h, s_acc));
+    if (acc.p == nullptr) return false;
+    Ref seq(PySequence_Fast(acc.p, "History.acc is not a sequence"));
+    if (seq.p == nullptr) return false;
+    if (PySequence_Fast_GET_SIZE(seq.p) != K) {
+      PyErr_Format(PyExc_ValueError, "History.acc has %zd depths, the observation %lld",
+                   PySequence_Fast_GET_SIZE(seq.p), static_cast<long long>(K));
+      return false;
+    }
+    PyObject** items = PySequence_Fast_ITEMS(seq.p);
+    for (int64_t d = 0; d < K; ++d)
+      if (!as_double(items[d], &v[i++])) return false;
+  }
+  double committed_ema, utility_ema;
+  if (!attr_double(h, s_committed_ema, &committed_ema) || !attr_double(h, s_utility_ema, &utility_ema)) return false;
+  Ref s(PyObject_GetAttr(h, s_last));
+  if (s.p == nullptr) return false;
+  long long depth = 0;
+  if (s.p == Py_None) {
+    v[i++] = 0.0;
+    v[i++] = committed_ema / static_cast<double>(K + 1);
+    for (int64_t d = 0; d < 2 * K; ++d) v[i++] = 0.0;
+    const double tail[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.25, utility_ema / 4.0, 0.125};
+    for (double t : tail) v[i++] = t;
+  } else {
+    Ref conf_obj(PyObject_GetAttr(s.p, s_draft_confidence));
+    if (conf_obj.p == nullptr) return false;
+    Ref conf(PySequence_Fast(conf_obj.p, "RoundStats.draft_confidence is not a sequence"));
+    if (conf.p == nullptr) return false;
+    const int64_t nc = std::min<int64_t>(PySequence_Fast_GET_SIZE(conf.p), K);
+    double raw[kMaxIn];
+    PyObject** items = PySequence_Fast_ITEMS(conf.p);
+    for (int64_t d = 0; d < nc; ++d)
+      if (!as_double(items[d], &raw[d])) return false;
+    long long accepted;
+    if (!attr_int(s.p, s_accepted, &accepted)) return false;
+    v[i++] = static_cast<double>(accepted) / static_cast<double>(K);
+    v[i++] = committed_ema / static_cast<double>(K + 1);
+    for (int64_t d = 0; d < K; ++d) v[i++] = d < nc ? raw[d] : 0.0;
+    for (int64_t d = 0; d < K; ++d) v[i++] = d < nc ? (a.calibrated() ? a.calibrate(raw[d], d + 1) : raw[d]) : 0.0;
+    double cost, cost_ar;  // round_cost(s)
+    {
+      Ref c(attr_or_none(s.p, s_cost));
+      if (c.p == nullptr) return false;
+      if (c.p == Py_None) {
+        if (!attr_double(s.p, s_round_seconds, &cost)) return false;
+      } else if (!as_double(c.p, &cost)) {
+        return false;
+      }
+    }
+    if (!attr_or_default(s.p, s_cost_ar, true, 0.0, &cost_ar)) return false;
+    long long n;
+    if (!attr_int(s.p, s_verified_tokens, &n)) return false;
+    n = std::max(n, 1LL);
+    {  // sum(U) / (len(U) * n * top_k)
+      Ref u_obj(PyObject_GetAttr(s.p, s_distinct_experts));
+      if (u_obj.p == nullptr) return false;
+      Ref u(PySequence_Fast(u_obj.p, "RoundStats.distinct_experts is not a sequence"));
+      if (u.p == nullptr) return false;
+      const Py_ssize_t L = PySequence_Fast_GET_SIZE(u.p);
+      long long total = 0;
+      PyObject** ue = PySequence_Fast_ITEMS(u.p);
+      for (Py_ssize_t l = 0; l < L; ++l) {  // integers only (the Python twin's exact integer sum)
+        Ref idx(PyNumber_Index(ue[l]));
+        if (idx.p == nullptr) return false;
+        const long long x = PyLong_AsLongLong(idx.p);
+        if (x == -1 && PyErr_Occurred()) return false;
+        total += x;
+      }
+      v[i++] = (L && top_k) ? static_cast<double>(total) / static_cast<double>(L * n * top_k) : 0.0;
+    }
+    double x;
+    if (!attr_or_default(s.p, s_new_pairs_per_node, true, 0.0, &x)) return false;
+    v[i++] = x / static_cast<double>(std::max(top_k * num_moe_layers, 1LL));
+    if (!attr_or_default(s.p, s_overlap_prev, false, 0.0, &x)) return false;
+    v[i++] = x;
+    if (!attr_or_default(s.p, s_rank_imbalance_mean, false, 1.0, &x)) return false;
+    v[i++] = x - 1.0;
+    if (!attr_or_default(s.p, s_cross_node_ratio, false, 0.0, &x)) return false;
+    v[i++] = x;
+    double committed;
+    if (!attr_double(s.p, s_committed, &committed)) return false;
+    v[i++] = (cost > 0 && cost_ar > 0 ? committed * cost_ar / cost : 1.0) / 4.0;
+    v[i++] = utility_ema / 4.0;
+    v[i++] = (cost_ar > 0 ? cost / cost_ar : 1.0) / 8.0;
+    Ref built(attr_or_none(s.p, s_built_depth));
+    if (built.p == nullptr) return false;
+    if (built.p == Py_None ? !attr_int(s.p, s_depth, &depth) : !as_int(built.p, &depth)) return false;
+  }
+  const double p = static_cast<double>(position) / static_cast<double>(std::max(max_new_tokens, 1LL));
+  v[i++] = 1.0 < p ? 1.0 : p;
+  v[i++] = std::log2(static_cast<double>(std::max(batch_size, 1LL))) / 8.0;
+  v[i++] = static_cast<double>(depth) / static_cast<double>(K);
+  long long rounds;
+  if (!attr_int(h, s_rounds, &rounds)) return false;
+  v[i++] = rounds == 0 ? 1.0 : 0.0;
+  return true;
+}
+
+const TanhMLP* from_capsule(PyObject* cap) {
+  return static_cast<const TanhMLP*>(PyCapsule_GetPointer(cap, kCapsule));
+}
+
+bool sequence_values(const TanhMLP& a, PyObject* seq_obj, double* v) {  // a list / tuple / sequence of floats
+  Ref seq(PySequence_Fast(seq_obj, "observation values must be a sequence of floats"));
+  if (seq.p == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.p);
+  if (n != a.inputs()) {
+    PyErr_Format(PyExc_ValueError, "TanhMLP: %zd observation values, expected %lld", n,
+                 static_cast<long long>(a.inputs()));
+    return false;
+  }
+  PyObject** items = PySequence_Fast_ITEMS(seq.p);
+  for (Py_ssize_t k = 0; k < n; ++k)
+    if (!as_double(items[k], &v[k])) return false;
+  return true;
+}
+
+bool history_args(PyObject* const* args, long long* ctx) {  // position, max_new_tokens, batch_size, top_k, layers
+  for (int j = 0; j < 5; ++j) {
+    ctx[j] = PyLong_AsLongLong(args[2 + j]);
+    if (ctx[j] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// act(actor, values) -> (index per action dimension)
+PyObject* raw_act(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "act(actor, values)");
+    return nullptr;
+  }
+  const TanhMLP* a = from_capsule(args[0]);
+  double v[kMaxIn];
+  if (a == nullptr || !sequence_values(*a, args[1], v)) return nullptr;
+  return a->act_tuple(v);
+}
+
+// choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> (index per dimension)
+PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                    "choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers)");
+    return nullptr;
+  }
+  const TanhMLP* a = from_capsule(args[0]);
+  long long c[5];
+  double v[kMaxIn];
+  if (a == nullptr || !history_args(args, c) || !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], v))
+    return nullptr;
+  return a->act_tuple(v);
+}
+
+// values(actor, history, position, ...) -> [observation values] (the reference check of `choose`'s first half)
+PyObject* raw_values(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                    "values(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers)");
+    return nullptr;
+  }
+  const TanhMLP* a = from_capsule(args[0]);
+  long long c[5];
+  double v[kMaxIn];
+  if (a == nullptr || !history_args(args, c) || !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], v))
+    return nullptr;
+  PyObject* out = PyList_New(a->inputs());
+  if (out == nullptr) return nullptr;
+  for (int64_t k = 0; k < a->inputs(); ++k) {
+    PyObject* f = PyFloat_FromDouble(v[k]);
+    if (f == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, k, f);
+  }
+  return out;
+}
+
+PyMethodDef kRawMethods[] = {
+    {"act", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_act)), METH_FASTCALL,
+     "act(actor capsule, values [in]) -> (index per action dimension)"},
+    {"choose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_choose)), METH_FASTCALL,
+     "choose(actor capsule, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> indices"},
+    {"values", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_values)), METH_FASTCALL,
+     "values(actor capsule, history, position, ...) -> observation values [in] (observation_values' twin)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyObject* intern(const char* s) {
+  PyObject* p = PyUnicode_InternFromString(s);
+  if (p == nullptr) throw py::error_already_set();
+  return p;  // kept for the process's life
+}
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  s_acc = intern("acc");
+  s_last = intern("last");
+  s_committed_ema = intern("committed_ema");
+  s_utility_ema = intern("utility_ema");
+  s_rounds = intern("rounds");
+  s_draft_confidence = intern("draft_confidence");
+  s_accepted = intern("accepted");
+  s_cost = intern("cost");
+  s_cost_ar = intern("cost_ar");
+  s_round_seconds = intern("round_seconds");
+  s_verified_tokens = intern("verified_tokens");
+  s_distinct_experts = intern("distinct_experts");
+  s_new_pairs_per_node = intern("new_pairs_per_node");
+  s_overlap_prev = intern("overlap_prev");
+  s_rank_imbalance_mean = intern("rank_imbalance_mean");
+  s_cross_node_ratio = intern("cross_node_ratio");
+  s_committed = intern("committed");
+  s_built_depth = intern("built_depth");
+  s_depth = intern("depth");
   py::class_<TanhMLP>(m, "TanhMLP")
       .def(py::init<std::vector<double>, std::vector<double>, std::vector<std::vector<double>>,
                     std::vector<std::vector<double>>, int64_t>(),
            py::arg("lo"), py::arg("hi"), py::arg("weights"), py::arg("biases"), py::arg("dims"))
+      .def("set_observation", &TanhMLP::set_observation, py::arg("kmax"), py::arg("knots_x"), py::arg("knots_y"),
+           "the observation layout `choose` computes: kmax depths, the calibration's isotonic knots per depth")
       .def("logits", &TanhMLP::logits, "padded logits [D * width] of the observation values")
-      .def("act", &TanhMLP::act, "observation values [in] -> (index per action dimension)");
+      .def(
+          "capsule", [](TanhMLP& self) { return py::reinterpret_steal<py::object>(PyCapsule_New(&self, kCapsule, nullptr)); },
+          "a capsule of this actor for the raw entry points (the caller keeps the actor alive)");
+  if (PyModule_AddFunctions(m.ptr(), kRawMethods) < 0) throw py::error_already_set();
 }

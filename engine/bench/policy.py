@@ -65,8 +65,9 @@ def _run(eng, prompts: list[list[int]], batch: int, new_tokens: int, policy) -> 
 
 def parts(eng, policy, prompt: list[int], new_tokens: int, number: int = 2000) -> dict[str, float]:
     """Seconds of what a round pays (the choice) and of its parts, timed in a loop after a few rounds of one
-    request: for a policy with `act_vector` (the frozen one) the observation values and the policy call on them,
-    else the Observation and the policy call on it."""
+    request: for a policy with `act_vector` (the frozen one) the observation values in Python and the policy call on
+    them (the path without the C++ actor), and with the C++ actor its one call computing both (`native_choose`,
+    what the choice runs); else the Observation and the policy call on it."""
     sess = eng.start([prompt], new_tokens, policy=policy)
     for _ in range(3):
         if sess.active:
@@ -84,6 +85,10 @@ def parts(eng, policy, prompt: list[int], new_tokens: int, number: int = 2000) -
         v = observation_values(req.history, **ctx)
         out = {"observation": best(lambda: observation_values(req.history, **ctx)),
                "policy_call": best(lambda: policy.act_vector(v))}  # fmt: skip
+        native = getattr(policy, "_native", None)
+        if native is not None:
+            args = (req.history, len(req.new_tokens), req.max_new, 1, top_k, layers)
+            out["native_choose"] = best(lambda: native.choose(*args))
     else:
         obs = sess.observation(rid)
         out = {"observation": best(lambda: sess.observation(rid)), "policy_call": best(lambda: policy(obs))}

@@ -25,7 +25,17 @@ import torch
 
 from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.observation import KMAX, OBS_DIM, OBS_FIELDS, OBS_SIGNATURE, Observation, as_vector
+from engine.runtime.observation import (
+    KMAX,
+    OBS_DIM,
+    OBS_FIELDS,
+    OBS_SIGNATURE,
+    Calibration,
+    History,
+    Observation,
+    as_vector,
+    observation_values,
+)
 from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
 from kernels import tanh_mlp
@@ -56,6 +66,8 @@ class FrozenPolicy:
         self._mlp = m = _numpy_mlp(module, card.get("mlp"), self.nvec)
         # the C++ twin of the numpy actor (kernels.tanh_mlp): one call between two rounds instead of a dozen
         self._native = tanh_mlp.actor(m.lo, m.hi, [*m.hidden, (m.w_out, m.b_out)], m.dims) if m else None
+        if self._native is not None:  # its `choose` computes the observation values too, with this calibration
+            self._native.observe(KMAX, self.calibration)
         if self.nvec != self.grid.nvec:
             raise ValueError(f"frozen policy: nvec {self.nvec} does not match its action grid {self.grid.nvec}")
 
@@ -87,9 +99,37 @@ class FrozenPolicy:
         return np.add(np.dot(m.w_out, x), m.b_out)
 
     def act_vector(self, vector: np.ndarray | list[float]) -> SpecConfig:
-        """Observation vector [OBS_DIM] or its values (its calibrated block from `self.calibration`) -> SpecConfig:
-        what the engine's session calls with `observation_values`, no Observation built."""
-        idx = self.act_index(vector)
+        """Observation vector [OBS_DIM] or its values (its calibrated block from `self.calibration`) -> SpecConfig."""
+        return self._spec(self.act_index(vector))
+
+    def act_history(
+        self,
+        h: History,
+        *,
+        position: int,
+        max_new_tokens: int,
+        batch_size: int,
+        top_k: int,
+        num_moe_layers: int,
+        calibration: Calibration | None = None,
+    ) -> SpecConfig:
+        """The action before a request's next round, from its running History (what the engine's session calls):
+        `act_vector(observation_values(h, ...))`, the calibrated block from `self.calibration`, else from
+        `calibration` (the engine's). With the C++ actor and the policy's own map (or none at all) one call computes
+        the values and the decision (kernels.tanh_mlp `choose`, equal values: tested)."""
+        own = self.calibration
+        if self._native is not None and (own is not None or calibration is None):
+            try:
+                return self._spec(self._native.choose(h, position, max_new_tokens, batch_size, top_k, num_moe_layers))
+            except (TypeError, ValueError, OverflowError):  # a History the C++ reader does not take: the Python twin
+                pass
+        v = observation_values(h, position=position, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                               calibration=own if own is not None else calibration, top_k=top_k,
+                               num_moe_layers=num_moe_layers)  # fmt: skip
+        return self.act_vector(v)
+
+    def _spec(self, idx: tuple[int, ...]) -> SpecConfig:
+        """The SpecConfig of action indices (cached; the calibrated rule carries the policy's acceptance model)."""
         spec = self._specs.get(idx)
         if spec is None:
             spec = self.grid.spec(idx)

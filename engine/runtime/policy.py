@@ -8,7 +8,9 @@ A policy may also offer `act_vector(values) -> action`, taking the observation v
 `Observation.vector()` [OBS_DIM] or its values before the float32 rounding and [0, 1] clip (`as_vector`, idempotent),
 which is what the session passes: `observation_values`, computed straight from the request's history without
 building the Observation or calling numpy, its calibrated block from the policy's `calibration` attribute when that
-is not None, else from the engine's. The frozen learned policy (`engine.runtime.frozen`) does.
+is not None, else from the engine's. A policy may instead offer `act_history(history, *, position, max_new_tokens,
+batch_size, top_k, num_moe_layers, calibration) -> action`, computing the values itself (the session then calls it,
+`calibration` the engine's): the frozen learned policy (`engine.runtime.frozen`) does, in one C++ call.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ request's tokens and random stream depend only on its own prompt, sampling param
 on the other requests in the batch.
 
 Actions: None -> the session's `spec` (or its `policy`, consulted per request with the request's
-Observation, or with its observation vector when the policy has `act_vector`: `engine.runtime.policy`); a
+Observation, with its observation vector when the policy has `act_vector`, or with its History when it has
+`act_history`: `engine.runtime.policy`); a
 list with one action per active request; or a dict {request id: action}, which steps only the requests it
 names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)).
 Every action is validated before any work of the step, so a bad action leaves the session
@@ -157,14 +158,20 @@ class Session:
         return self.engine.observe_request(r, batch_size=len(self._active))
 
     def _choose(self, r: Any) -> Any:
-        """The policy's action for request `r`'s next round; a policy with `act_vector` gets the observation vector's
-        values straight from the request's History (its calibrated block from the policy's own map, if it has one)."""
+        """The policy's action for request `r`'s next round; a policy with `act_history` gets the request's History,
+        one with `act_vector` the observation vector's values straight from it (its calibrated block from the
+        policy's own map, if it has one)."""
+        eng = self.engine
+        top_k, layers = eng._obs_model
+        act_history = getattr(self.policy, "act_history", None)
+        if act_history is not None:  # the frozen policy: values and decision in one native call where it can
+            return act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
+                               batch_size=len(self._active), top_k=top_k, num_moe_layers=layers,
+                               calibration=eng.calibration)  # fmt: skip
         act_vector = getattr(self.policy, "act_vector", None)
         if act_vector is None:
             return self.policy(self.observation(r.index))
-        eng = self.engine
         cal = getattr(self.policy, "calibration", None)
-        top_k, layers = eng._obs_model
         v = observation_values(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
                                batch_size=len(self._active), calibration=eng.calibration if cal is None else cal,
                                top_k=top_k, num_moe_layers=layers)  # fmt: skip

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.runtime.observation import KMAX, OBS_DIM, History, observation_vector, observe_history
+from engine.runtime.observation import (
+    KMAX,
+    OBS_DIM,
+    History,
+    observation_values,
+    observation_vector,
+    observe_history,
+)
 from engine.runtime.stats import RoundStats
 from engine.spec.calibration import IsotonicCalibration
 
@@ -52,3 +59,45 @@ def test_observation_vector_equals_the_observation_s(calibration):
         ref = observe_history(h, prompt_len=7, request_id=3, **ctx).vector()
         assert v.dtype == np.float32 and v.shape == (OBS_DIM,)
         assert np.array_equal(v, ref), (trial, np.flatnonzero(v != ref))
+
+
+RAGGED = IsotonicCalibration(((0.2, 0.7), (), (0.5,)), ((0.3, 0.9), (), (0.6,)))  # an empty and a one-knot depth
+
+
+@pytest.mark.parametrize("calibration", [None, CAL, RAGGED])
+def test_the_native_choice_reads_the_same_values(calibration):
+    """kernels.tanh_mlp `values` / `choose` (the frozen policy's one call between two rounds) == observation_values
+    bit for bit, and `choose` == `act` on them, over random histories (numpy confidences and experts, absent
+    optional fields, KMAX overflow, isotonic maps with empty and one-knot depths)."""
+    from kernels import tanh_mlp
+
+    if tanh_mlp.load() is None:
+        pytest.skip(f"C++ actor {tanh_mlp.status()}")
+    rng = np.random.default_rng(1)
+    w = [(rng.normal(0, 0.5, (16, OBS_DIM)), rng.normal(0, 0.1, 16)), (rng.normal(0, 0.5, (18, 16)), np.zeros(18))]
+    actor = tanh_mlp.actor(np.full(OBS_DIM, -1.0), np.full(OBS_DIM, 2.0), w, 2)
+    actor.observe(KMAX, calibration)
+    for trial in range(80):
+        h = History()
+        for i in range(int(rng.integers(0, 6))):
+            h.add(_round(rng, i))
+        ctx = (int(rng.integers(0, 300)), int(rng.integers(0, 256)), int(rng.integers(0, 600)),
+               int(rng.choice([0, 2, 8])), int(rng.integers(0, 5)))  # fmt: skip
+        keys = ("position", "max_new_tokens", "batch_size", "top_k", "num_moe_layers")
+        ref = observation_values(h, calibration=calibration, **dict(zip(keys, ctx)))
+        got = actor.values(h, *ctx)
+        assert [float(x).hex() for x in got] == [float(x).hex() for x in ref], trial
+        assert actor.choose(h, *ctx) == actor.act(ref)
+
+
+def test_the_native_choice_refuses_a_foreign_layout():
+    from kernels import tanh_mlp
+
+    if tanh_mlp.load() is None:
+        pytest.skip(f"C++ actor {tanh_mlp.status()}")
+    actor = tanh_mlp.actor(np.zeros(5), np.ones(5), [(np.ones((2, 5)), np.zeros(2))], 1)
+    with pytest.raises(ValueError, match="not the observation layout"):
+        actor.observe(KMAX)
+    actor = tanh_mlp.actor(np.zeros(OBS_DIM), np.ones(OBS_DIM), [(np.ones((2, OBS_DIM)), np.zeros(2))], 1)
+    with pytest.raises(ValueError, match="set_observation"):
+        actor.choose(History(), 0, 1, 1, 0, 0)
