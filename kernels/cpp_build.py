@@ -7,9 +7,10 @@ fatally.
 
 `torch.utils.cpp_extension` compiles the source on first use and caches it under ~/.cache/torch_extensions
 (TORCH_EXTENSIONS_DIR moves it), in one folder per checkout: the folder name carries a hash of the source path, since
-two checkouts sharing one folder would rebuild it each time the other one loaded it. An extension is off when its
-environment switch is "0", when `needs()` names a missing CPU feature, when no compiler or ninja is found, or when the
-build fails; its Python twin then runs everywhere.
+two checkouts sharing one folder would rebuild it each time the other one loaded it. A change to a shared header
+(`sweep.h`) rebuilds too: the headers' digest is one of the flags, which torch's rebuild check covers. An extension
+is off when its environment switch is "0", when `needs()` names a missing CPU feature, when no compiler or ninja is
+found, or when the build fails; its Python twin then runs everywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class CppExtension:
         self.source = Path(__file__).with_name(f"{stem}.cpp")
         self.name = f"expertspec_{stem}_" + hashlib.sha256(str(self.source.resolve()).encode()).hexdigest()[:10]
         self.switch, self.cflags, self.needs, self.on = switch, list(cflags), needs, on
+        # torch rebuilds when a source or a flag changes, not a header: the headers' digest rides on the flags
+        headers = sorted(self.source.parent.glob("*.h"))
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()[:12]
+        self.cflags.append(f"-DEXPERTSPEC_HEADERS_SHA=0x{digest}")
         self.state: dict[str, Any] = {"module": None, "status": None}
         self._lock = threading.Lock()
 

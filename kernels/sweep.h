@@ -3,11 +3,12 @@
 //   sweep<M>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1):  y[m, n0:n1] = bias[n0:n1] (or 0) + sum_k x[m, k] wt[k, n0:n1]
 //
 // for M <= 16 token rows x [M, K] (row stride ldx) and an input-major weight wt [K, N] (row stride ldw): the weight
-// rows are swept in memory order, U at a time (16, or 8 for one row: measured fastest), once for all M rows, and
-// every output accumulates over k in order with one FMA each, so a row's result has the same bits whatever M and U
-// are (batch-invariant). U weight vectors stay in registers while each row's accumulator is loaded, updated U times
-// and stored: the accumulator traffic through the cache is 1/U of the FMAs (U = 4 read the weights 1.2-1.4x slower
-// at 4-16 rows, README).
+// rows are swept in memory order, U at a time, once for all M rows, and every output accumulates over k in order
+// with one FMA each, so a row's result has the same bits whatever M and U are (batch-invariant). U weight vectors
+// stay in registers while each row's accumulator is loaded, updated U times and stored: the accumulator traffic
+// through the cache is 1/U of the FMAs. U (measured, cold weights of the benchmark shapes, README): 1 for one or two
+// rows whose accumulators fit in 10 KB (M N <= 2560 floats) — each weight row then streams whole, in address order,
+// 1.1-1.9x faster than U = 8 / 16 there —, else 16 (8 for one row: a wide LM head).
 #pragma once
 #include <immintrin.h>
 
@@ -18,10 +19,11 @@ namespace expertspec {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxBlock = 16;  // rows per sweep
 
-template <int M>
-inline void sweep(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
-           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int U = M == 1 ? 8 : 16;
+constexpr int64_t kRowStreamFloats = 2560;  // M N at most for U = 1 (M <= 2)
+
+template <int M, int U>
+inline void sweep_u(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
+                    const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t full = n0 + (n1 - n0) / kLanes * kLanes;  // [n0, full) whole vectors, [full, n1) one masked
   const __mmask16 tail = (__mmask16)((1u << (n1 - full)) - 1u);
   for (int64_t n = n0; n < n1; n += kLanes) {
@@ -58,6 +60,15 @@ inline void sweep(const float* __restrict x, int64_t ldx, const float* __restric
       }
     }
   }
+}
+
+template <int M>
+inline void sweep(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
+                  const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (M <= 2 && M * (n1 - n0) <= kRowStreamFloats)
+    sweep_u<M, 1>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
+  else
+    sweep_u<M, M == 1 ? 8 : 16>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
 }
 
 using SweepFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,

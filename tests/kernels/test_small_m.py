@@ -29,7 +29,7 @@ def kernel_off():
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 15, 16])
-@pytest.mark.parametrize("N, K", [(16, 32), (17, 33), (1029, 256), (256, 512), (3, 5)])
+@pytest.mark.parametrize("N, K", [(16, 32), (17, 33), (1029, 256), (256, 512), (3, 5), (2065, 40)])
 def test_equals_f_linear_and_is_batch_invariant(M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     w = input_major(torch.randn(N, K, generator=g))
@@ -38,8 +38,10 @@ def test_equals_f_linear_and_is_batch_invariant(M, N, K):
         assert small_m.supports(x, w, bias)
         y, ref = small_m.linear(x, w, bias), F.linear(x, w, bias)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-        for m in range(M):  # a row's bits do not depend on the rows it shares the call with
+        for m in range(M):  # a row's bits do not depend on the rows it shares the call with (nor on the sweep's
+            # U: one or two rows of N <= 1280 sweep one weight row at a time, others 8 / 16 at a time)
             assert torch.equal(small_m.linear(x[[m, (m + 1) % M]], w, bias)[0], y[m])
+            assert torch.equal(small_m.linear(x[[m]], w, bias)[0], y[m])
 
 
 def test_falls_back_where_it_does_not_apply():
