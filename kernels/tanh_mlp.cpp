@@ -413,33 +413,33 @@ PyObject* raw_act(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return a->act_tuple(v);
 }
 
-// choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> (index per dimension)
-PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The actor and the observation values [in] into v of a (actor, history, position, max_new_tokens, batch_size,
+// top_k, num_moe_layers) call named `name`; nullptr with a Python error set.
+const TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_t nargs, double* v) {
   if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError,
-                    "choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers)");
+    PyErr_Format(PyExc_TypeError, "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers)",
+                 name);
     return nullptr;
   }
   const TanhMLP* a = from_capsule(args[0]);
   long long c[5];
-  double v[kMaxIn];
   if (a == nullptr || !history_args(args, c) || !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], v))
     return nullptr;
-  return a->act_tuple(v);
+  return a;
+}
+
+// choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> (index per dimension)
+PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  double v[kMaxIn];
+  const TanhMLP* a = history_values("choose", args, nargs, v);
+  return a == nullptr ? nullptr : a->act_tuple(v);
 }
 
 // values(actor, history, position, ...) -> [observation values] (the reference check of `choose`'s first half)
 PyObject* raw_values(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError,
-                    "values(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers)");
-    return nullptr;
-  }
-  const TanhMLP* a = from_capsule(args[0]);
-  long long c[5];
   double v[kMaxIn];
-  if (a == nullptr || !history_args(args, c) || !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], v))
-    return nullptr;
+  const TanhMLP* a = history_values("values", args, nargs, v);
+  if (a == nullptr) return nullptr;
   PyObject* out = PyList_New(a->inputs());
   if (out == nullptr) return nullptr;
   for (int64_t k = 0; k < a->inputs(); ++k) {
