@@ -78,14 +78,13 @@ class TanhMLP {
       if (out == 0 || static_cast<int64_t>(weights[i].size()) != out * in)
         throw std::invalid_argument("TanhMLP: layer " + std::to_string(i) + " is not [" + std::to_string(out) +
                                     ", " + std::to_string(in) + "]");
-      std::vector<double> wt(out * in);
-      for (int64_t j = 0; j < out; ++j)
-        for (int64_t k = 0; k < in; ++k) wt[k * out + j] = weights[i][j * in + k];
       if (out > kMaxWidth)
         throw std::invalid_argument("TanhMLP: layer " + std::to_string(i) + " is wider than " +
                                     std::to_string(kMaxWidth));
+      std::vector<double> wt(out * in);
+      for (int64_t j = 0; j < out; ++j)
+        for (int64_t k = 0; k < in; ++k) wt[k * out + j] = weights[i][j * in + k];
       layers_.push_back({std::move(wt), std::move(biases[i]), out, in});
-      widest_ = std::max(widest_, out);
       in = out;
     }
     if (dims_ <= 0 || in % dims_ != 0)
@@ -120,7 +119,7 @@ class TanhMLP {
   }
   bool calibrated() const { return !knots_x_.empty(); }
 
-  // Padded logits [D * width] of `values` [in] into `z` (size >= widest layer).
+  // Padded logits [D * width] of `values` [in] into `z` [kMaxWidth].
   void logits_into(const double* values, double* z) const {
     double buf[2][kMaxWidth > kMaxIn ? kMaxWidth : kMaxIn];
     const size_t n = lo_.size();
@@ -145,13 +144,7 @@ class TanhMLP {
     }
   }
 
-  std::vector<double> logits(const std::vector<double>& values) const {
-    check_count(static_cast<int64_t>(values.size()));
-    std::vector<double> z(widest());
-    logits_into(values.data(), z.data());
-    z.resize(dims_ * width_);
-    return z;
-  }
+  int64_t num_logits() const { return dims_ * width_; }
 
   // (index per action dimension) as a new tuple, or nullptr with a Python error set.
   PyObject* act_tuple(const double* values) const {
@@ -174,17 +167,10 @@ class TanhMLP {
     return idx;
   }
 
-  void check_count(int64_t n) const {
-    if (n != static_cast<int64_t>(lo_.size()))
-      throw std::invalid_argument("TanhMLP: " + std::to_string(n) + " observation values, expected " +
-                                  std::to_string(lo_.size()));
-  }
-  int64_t widest() const { return widest_; }
-
  private:
   std::vector<double> lo_, hi_;
   std::vector<Layer> layers_;
-  int64_t dims_, width_ = 0, widest_ = 0, kmax_ = 0;
+  int64_t dims_, width_ = 0, kmax_ = 0;
   std::vector<std::vector<double>> knots_x_, knots_y_;
 };
 
@@ -428,6 +414,33 @@ const TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_
   return a;
 }
 
+PyObject* float_list(const double* v, int64_t n) {  // [float(v[k]) for k < n]
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (int64_t k = 0; k < n; ++k) {
+    PyObject* f = PyFloat_FromDouble(v[k]);
+    if (f == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, k, f);
+  }
+  return out;
+}
+
+// logits(actor, values) -> padded logits [D * width]
+PyObject* raw_logits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "logits(actor, values)");
+    return nullptr;
+  }
+  const TanhMLP* a = from_capsule(args[0]);
+  double v[kMaxIn], z[kMaxWidth];
+  if (a == nullptr || !sequence_values(*a, args[1], v)) return nullptr;
+  a->logits_into(v, z);
+  return float_list(z, a->num_logits());
+}
+
 // choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> (index per dimension)
 PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   double v[kMaxIn];
@@ -439,23 +452,14 @@ PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* raw_values(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   double v[kMaxIn];
   const TanhMLP* a = history_values("values", args, nargs, v);
-  if (a == nullptr) return nullptr;
-  PyObject* out = PyList_New(a->inputs());
-  if (out == nullptr) return nullptr;
-  for (int64_t k = 0; k < a->inputs(); ++k) {
-    PyObject* f = PyFloat_FromDouble(v[k]);
-    if (f == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, k, f);
-  }
-  return out;
+  return a == nullptr ? nullptr : float_list(v, a->inputs());
 }
 
 PyMethodDef kRawMethods[] = {
     {"act", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_act)), METH_FASTCALL,
      "act(actor capsule, values [in]) -> (index per action dimension)"},
+    {"logits", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_logits)), METH_FASTCALL,
+     "logits(actor capsule, values [in]) -> padded logits [D * width]"},
     {"choose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_choose)), METH_FASTCALL,
      "choose(actor capsule, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> indices"},
     {"values", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_values)), METH_FASTCALL,
@@ -496,7 +500,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("lo"), py::arg("hi"), py::arg("weights"), py::arg("biases"), py::arg("dims"))
       .def("set_observation", &TanhMLP::set_observation, py::arg("kmax"), py::arg("knots_x"), py::arg("knots_y"),
            "the observation layout `choose` computes: kmax depths, the calibration's isotonic knots per depth")
-      .def("logits", &TanhMLP::logits, "padded logits [D * width] of the observation values")
       .def(
           "capsule", [](TanhMLP& self) { return py::reinterpret_steal<py::object>(PyCapsule_New(&self, kCapsule, nullptr)); },
           "a capsule of this actor for the raw entry points (the caller keeps the actor alive)");

@@ -41,7 +41,7 @@ class Actor:
         self.act = partial(module.act, cap)
         self.choose = partial(module.choose, cap)
         self.values = partial(module.values, cap)
-        self.logits = mlp.logits
+        self.logits = partial(module.logits, cap)
 
     def observe(self, kmax: int, calibration: Any = None) -> None:
         """Set the observation layout `choose` computes: `kmax` draft depths, and the calibrated block from
