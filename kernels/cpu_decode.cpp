@@ -1,4 +1,4 @@
-// The small ops of a CPU decode / verification step, fused (fp32, AVX-512F):
+// The small ops of a CPU decode / verification step, fused (fp32; AVX-512F or AVX2 + FMA, kernels/simd.h):
 //
 //   attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache, write_slots, pad_index, read_slots,
 //             mask, H, Hkv)
@@ -16,7 +16,6 @@
 // What the torch path (Attention.forward_cached, RMSNorm) computes, in one call instead of ~15 (attention) and ~8
 // (F.rms_norm) ATen ops, each of which costs several microseconds between weight reads that evict the caches.
 // Sums run in float32 in a fixed order, so results differ from ATen's by rounding only (~1e-6; tested).
-#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -27,44 +26,44 @@
 
 namespace {
 
-// The first min(n, 16) lanes (n >= 1): the mask of a loop's last, partial vector.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+namespace v = expertspec::simd;
+using v::vf;
+using v::vmask;
+constexpr int64_t L = v::kLanes;  // fp32 lanes per vector
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = v::zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + L <= n; i += L) acc = v::fmadd(v::load(a + i), v::load(b + i), acc);
   if (i < n) {
-    const __mmask16 m = first_lanes(n - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    const vmask m = v::first(n - i);
+    acc = v::fmadd(v::load(m, a + i), v::load(m, b + i), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return v::reduce_add(acc);
 }
 
-// e^x for 16 lanes (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial, 2^n by vscalefps, which also
+// e^x per lane (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial, then p 2^n, which also
 // underflows to exactly 0 below e^-110 and saturates): within 2 ulp of std::exp, which as a scalar call was most of
 // the time of the SwiGLU activations and the softmax at a few tokens (a forward's ~10^5 exponentials).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline vf vexp(vf x) {
+  x = v::min(v::max(x, v::set1(-110.0f)), v::set1(88.3762626647949f));
+  const vf n = v::round(v::mul(x, v::set1(1.44269504088896341f)));
+  vf r = v::fnmadd(n, v::set1(0.693359375f), x);
+  r = v::fnmadd(n, v::set1(-2.12194440e-4f), r);
+  vf p = v::set1(1.9875691500e-4f);
+  p = v::fmadd(p, r, v::set1(1.3981999507e-3f));
+  p = v::fmadd(p, r, v::set1(8.3334519073e-3f));
+  p = v::fmadd(p, r, v::set1(4.1665795894e-2f));
+  p = v::fmadd(p, r, v::set1(1.6666665459e-1f));
+  p = v::fmadd(p, r, v::set1(5.0000001201e-1f));
+  p = v::fmadd(v::mul(p, r), r, v::add(r, v::set1(1.0f)));
+  return v::scale2(p, n);
 }
 
 inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
-  const __m512 va = _mm512_set1_ps(a);
+  const vf va = v::set1(a);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + L <= n; i += L) v::store(y + i, v::fmadd(va, v::load(x + i), v::load(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -162,15 +161,15 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
         top = std::max(top, p[j]);
       }
       if (top == -INFINITY) continue;  // sees no key: zeros (SDPA would give NaN; padding rows only)
-      __m512 acc = _mm512_setzero_ps();
-      const __m512 vtop = _mm512_set1_ps(top);
-      for (int64_t j = 0; j < S; j += 16) {
-        const __mmask16 m = first_lanes(S - j);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.data() + j), vtop)));
-        _mm512_mask_storeu_ps(p.data() + j, m, e);
-        acc = _mm512_add_ps(acc, e);
+      vf acc = v::zero();
+      const vf vtop = v::set1(top);
+      for (int64_t j = 0; j < S; j += L) {
+        const vmask m = v::first(S - j);
+        const vf e = v::keep(m, vexp(v::sub(v::load(m, p.data() + j), vtop)));
+        v::store(m, p.data() + j, e);
+        acc = v::add(acc, e);
       }
-      const float sum = _mm512_reduce_add_ps(acc);
+      const float sum = v::reduce_add(acc);
       float* oh = O + t * H * hd + h * hd;
       for (int64_t j = 0; j < S; ++j) {
         if (mt && !mt[j]) continue;
@@ -206,11 +205,11 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const c10::optio
 
 // out[f] = silu(g[f]) * u[f] = g / (1 + e^-g) * u for f < F (out may alias g)
 inline void silu_mul(const float* g, const float* u, float* out, int64_t F) {
-  for (int64_t f = 0; f < F; f += 16) {
-    const __mmask16 m = first_lanes(F - f);
-    const __m512 gv = _mm512_maskz_loadu_ps(m, g + f);
-    const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    _mm512_mask_storeu_ps(out + f, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, u + f)));
+  for (int64_t f = 0; f < F; f += L) {
+    const vmask m = v::first(F - f);
+    const vf gv = v::load(m, g + f);
+    const vf act = v::div(gv, v::add(v::set1(1.0f), vexp(v::sub(v::zero(), gv))));
+    v::store(m, out + f, v::mul(act, v::load(m, u + f)));
   }
 }
 
@@ -218,18 +217,18 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t F) {
 // the M rows, one dot product per (row, output).
 template <int M>
 void dots(const float* x, int64_t ldx, const float* W, int64_t s_out, int64_t out, int64_t in, float* y, int64_t ldy) {
-  const int64_t full = in / 16 * 16;
-  const __mmask16 tail = (__mmask16)((1u << (in - full)) - 1u);
+  const int64_t full = in / L * L;
+  const vmask tail = v::first(in - full);
   for (int64_t j = 0; j < out; ++j) {
     const float* w = W + j * s_out;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < in; k += 16) {
-      const __mmask16 mk = k < full ? (__mmask16)0xFFFF : tail;
-      const __m512 wv = _mm512_maskz_loadu_ps(mk, w + k);
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, x + m * ldx + k), wv, acc[m]);
+    vf acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = v::zero();
+    for (int64_t k = 0; k < in; k += L) {
+      const vmask mk = k < full ? v::all() : tail;
+      const vf wv = v::load(mk, w + k);
+      for (int m = 0; m < M; ++m) acc[m] = v::fmadd(v::load(mk, x + m * ldx + k), wv, acc[m]);
     }
-    for (int m = 0; m < M; ++m) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m]);
+    for (int m = 0; m < M; ++m) y[m * ldy + j] = v::reduce_add(acc[m]);
   }
 }
 

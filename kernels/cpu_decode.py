@@ -1,4 +1,4 @@
-"""The small ops of a CPU decode / verification step, fused in C++ (`cpu_decode.cpp`, AVX-512),
+"""The small ops of a CPU decode / verification step, fused in C++ (`cpu_decode.cpp`, AVX-512 or AVX2),
 with the torch ops of `engine.models.transformer.Attention.forward_cached`, `F.rms_norm` and
 `engine.models.moe.MoEBlock.forward` as their reference twins (same results to ~1e-6: tested).
 
@@ -14,23 +14,22 @@ is ~15 ATen ops, each RMSNorm ~8 and a few tokens' experts and shared expert ~30
 bookkeeping of `kernels.fused_moe_ref` beyond one token), every one of them several µs with
 the caches cold from the weight reads around them, which is more than reading the attention weights takes (README,
 issue 12). Each becomes one call.
-Built once like the small-M kernel (`kernels.cpp_build`); off when `EXPERTSPEC_CPU_DECODE=0`, without AVX-512,
-without a compiler or on a failed build (`status()` says which), and the torch ops then run.
+Built once like the small-M kernel (`kernels.cpp_build`); off when `EXPERTSPEC_CPU_DECODE=0`, without AVX2 or
+AVX-512, without a compiler or on a failed build (`status()` says which), and the torch ops then run.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpp_build import CppExtension, needs_avx512
+from kernels.cpp_build import CppExtension
 
-_EXT = CppExtension("cpu_decode", "EXPERTSPEC_CPU_DECODE", ("-O3", "-mavx512f", "-mfma"), needs_avx512,
-                    "on (AVX-512)")  # fmt: skip
+_EXT = CppExtension("cpu_decode", "EXPERTSPEC_CPU_DECODE", ("-O3",), simd=True)
 # above this many tokens kernels.fused_moe (grouped MKL GEMMs) is faster (measured: C++ 1.2-4.7x faster at 24-32
 # tokens on three expert shapes, 0.7-0.9x at 64)
 MAX_MOE_TOKENS = 32
 load = _EXT.load  # the compiled extension (built on the first call), or None when it is off
-status = _EXT.status  # 'on (AVX-512)' or 'off (<why>)'
+status = _EXT.status  # 'on (AVX-512)', 'on (AVX2)' or 'off (<why>)'
 
 
 def applies(x: torch.Tensor) -> bool:

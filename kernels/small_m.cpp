@@ -3,9 +3,8 @@
 // wt is the weight stored input-major ([in, out] rows contiguous: engine.models.layout). Its rows are swept in
 // memory order (kernels/sweep.h), once for all <= 16 rows, so the weight streams close to the read bandwidth;
 // y[m, n] starts at bias[n] (or 0) and accumulates x[m, k] * wt[k, n] over k in order with one FMA each, so a
-// row's result has the same bits whatever M is (batch-invariant). AVX-512F; the loader (small_m.py) checks the CPU.
+// row's result has the same bits whatever M is (batch-invariant). AVX-512F or AVX2 + FMA (kernels/simd.h).
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 
 #include "sweep.h"

@@ -1,4 +1,4 @@
-"""Small-M fp32 linear on CPU (C++ / AVX-512, `small_m.cpp`), with `F.linear` as its reference twin.
+"""Small-M fp32 linear on CPU (C++ / AVX-512 or AVX2, `small_m.cpp`), with `F.linear` as its reference twin.
 
     from kernels.small_m import linear
     y = linear(x, w, b)      # == F.linear(x, w, b) [M, N]; the kernel when `supports(x, w, b)`, else F.linear
@@ -11,7 +11,7 @@ README, issue 12), and keeps y[m, n] = bias[n] + Σ_k x[m, k] · w[n, k] summed 
 not depend on how many rows share the call (batch-invariant), and differ from MKL's by ~1e-6 relative (tested).
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (~30 s once; cached under
-~/.cache/torch_extensions) and used only on an AVX-512 CPU. It is off when `EXPERTSPEC_SMALL_M=0`, when no
+~/.cache/torch_extensions) and used on a CPU with AVX-512 or AVX2 + FMA (kernels/simd.h). It is off when `EXPERTSPEC_SMALL_M=0`, when no
 compiler is found, or when the build fails; `status()` says which, and everything then runs F.linear.
 """
 
@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpp_build import CppExtension, clear_stale_lock, needs_avx512
+from kernels.cpp_build import CppExtension, clear_stale_lock
 
 MIN_ROWS, MAX_ROWS = 1, 16
 
-_EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3", "-mavx512f", "-mfma"), needs_avx512, "on (AVX-512)")
+_EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3",), simd=True)
 _state = _EXT.state  # {"module", "status"}
 load = _EXT.load  # the compiled extension (built on the first call), or None when it is off
-status = _EXT.status  # 'on (AVX-512)' or 'off (<why>)'
+status = _EXT.status  # 'on (AVX-512)', 'on (AVX2)' or 'off (<why>)'
 _clear_stale_lock = clear_stale_lock
 
 

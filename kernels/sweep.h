@@ -1,4 +1,4 @@
-// The small-M sweep shared by small_m.cpp and cpu_decode.cpp (AVX-512F):
+// The small-M sweep shared by small_m.cpp and cpu_decode.cpp (AVX-512F or AVX2 + FMA: kernels/simd.h):
 //
 //   sweep<M>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1):  y[m, n0:n1] = bias[n0:n1] (or 0) + sum_k x[m, k] wt[k, n0:n1]
 //
@@ -8,15 +8,18 @@
 // stay in registers while each row's accumulator is loaded, updated U times and stored: the accumulator traffic
 // through the cache is 1/U of the FMAs. U (measured, cold weights of the benchmark shapes, README): 1 for one or two
 // rows whose accumulators fit in 10 KB (M N <= 2560 floats) — each weight row then streams whole, in address order,
-// 1.1-1.9x faster than U = 8 / 16 there —, else 16 (8 for one row: a wide LM head).
+// 1.1-1.9x faster than U = 8 / 16 there —, else 16 (8 for one row: a wide LM head); with AVX2's 16 vector
+// registers U = 8 for every M (16 weight vectors would spill).
 #pragma once
-#include <immintrin.h>
-
 #include <cstdint>
+
+#include "simd.h"
 
 namespace expertspec {
 
-constexpr int64_t kLanes = 16;
+constexpr int64_t kLanes = simd::kLanes;
+constexpr int kWideU = simd::kRegisters >= 32 ? 16 : 8;  // U for M >= 2 (beyond the row-streaming case)
+constexpr int kOneRowU = 8;                               // U for one row
 constexpr int64_t kMaxBlock = 16;  // rows per sweep
 
 constexpr int64_t kRowStreamFloats = 2560;  // M N at most for U = 1 (M <= 2)
@@ -25,38 +28,38 @@ template <int M, int U>
 inline void sweep_u(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
                     const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t full = n0 + (n1 - n0) / kLanes * kLanes;  // [n0, full) whole vectors, [full, n1) one masked
-  const __mmask16 tail = (__mmask16)((1u << (n1 - full)) - 1u);
+  const simd::vmask tail = simd::first(n1 - full);
   for (int64_t n = n0; n < n1; n += kLanes) {
-    const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + n, mk, b);
+    const simd::vmask mk = n < full ? simd::all() : tail;
+    const simd::vf b = bias ? simd::load(mk, bias + n) : simd::zero();
+    for (int m = 0; m < M; ++m) simd::store(mk, y + m * ldy + n, b);
   }
   int64_t k = 0;
   for (; k + U <= K; k += U) {
     const float* w0 = wt + k * ldw;
     for (int64_t n = n0; n < n1; n += kLanes) {
-      const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
-      __m512 wv[U];
+      const simd::vmask mk = n < full ? simd::all() : tail;
+      simd::vf wv[U];
 #pragma GCC unroll 16
-      for (int u = 0; u < U; ++u) wv[u] = _mm512_maskz_loadu_ps(mk, w0 + u * ldw + n);
+      for (int u = 0; u < U; ++u) wv[u] = simd::load(mk, w0 + u * ldw + n);
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
-        __m512 acc = _mm512_maskz_loadu_ps(mk, y + m * ldy + n);
+        simd::vf acc = simd::load(mk, y + m * ldy + n);
 #pragma GCC unroll 16
-        for (int u = 0; u < U; ++u) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k + u]), wv[u], acc);
-        _mm512_mask_storeu_ps(y + m * ldy + n, mk, acc);
+        for (int u = 0; u < U; ++u) acc = simd::fmadd(simd::set1(x[m * ldx + k + u]), wv[u], acc);
+        simd::store(mk, y + m * ldy + n, acc);
       }
     }
   }
   for (; k < K; ++k) {
     const float* w0 = wt + k * ldw;
     for (int64_t n = n0; n < n1; n += kLanes) {
-      const __mmask16 mk = n < full ? (__mmask16)0xFFFF : tail;
-      const __m512 wv = _mm512_maskz_loadu_ps(mk, w0 + n);
+      const simd::vmask mk = n < full ? simd::all() : tail;
+      const simd::vf wv = simd::load(mk, w0 + n);
       for (int m = 0; m < M; ++m) {
-        __m512 acc = _mm512_maskz_loadu_ps(mk, y + m * ldy + n);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), wv, acc);
-        _mm512_mask_storeu_ps(y + m * ldy + n, mk, acc);
+        simd::vf acc = simd::load(mk, y + m * ldy + n);
+        acc = simd::fmadd(simd::set1(x[m * ldx + k]), wv, acc);
+        simd::store(mk, y + m * ldy + n, acc);
       }
     }
   }
@@ -68,7 +71,7 @@ inline void sweep(const float* __restrict x, int64_t ldx, const float* __restric
   if (M <= 2 && M * (n1 - n0) <= kRowStreamFloats)
     sweep_u<M, 1>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
   else
-    sweep_u<M, M == 1 ? 8 : 16>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
+    sweep_u<M, M == 1 ? kOneRowU : kWideU>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
 }
 
 using SweepFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
