@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace expertspec::simd {
 
@@ -84,5 +85,21 @@ inline float reduce_add(vf v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 #endif
+
+// A whole vector (Part false: plain load / store) or the first lanes of a loop's last, partial one (mask m). Whole
+// vectors never take the masked forms: AVX2's masked store is microcoded on AMD CPUs and a load of what it just
+// stored waits for it to retire (measured on Zen 3: the sweep at ~1 GB/s with every store masked).
+template <bool Part>
+inline vf load_part(vmask m, const float* p) {
+  if constexpr (Part) return load(m, p);
+  else return load(p);
+}
+template <bool Part>
+inline void store_part(vmask m, float* p, vf v) {
+  if constexpr (Part) store(m, p, v);
+  else store(p, v);
+}
+using Whole = std::false_type;  // tags for a generic lambda's `part` argument
+using Partial = std::true_type;
 
 }  // namespace expertspec::simd
