@@ -11,8 +11,9 @@ README, issue 12), and keeps y[m, n] = bias[n] + Σ_k x[m, k] · w[n, k] summed 
 not depend on how many rows share the call (batch-invariant), and differ from MKL's by ~1e-6 relative (tested).
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (~30 s once; cached under
-~/.cache/torch_extensions) and used on a CPU with AVX-512 or AVX2 + FMA (kernels/simd.h). It is off when `EXPERTSPEC_SMALL_M=0`, when no
-compiler is found, or when the build fails; `status()` says which, and everything then runs F.linear.
+~/.cache/torch_extensions) and used on a CPU with AVX-512 or AVX2 + FMA (kernels/simd.h). It is off when
+`EXPERTSPEC_SMALL_M=0`, when no compiler is found, or when the build fails; `status()` says which, and everything
+then runs F.linear.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def kernel_off():
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 15, 16])
-@pytest.mark.parametrize("N, K", [(16, 32), (17, 33), (1029, 256), (256, 512), (3, 5), (2065, 40)])
+@pytest.mark.parametrize("N, K", [(16, 32), (17, 33), (1029, 256), (256, 512), (3, 5), (2065, 40), (1024, 24)])
 def test_equals_f_linear_and_is_batch_invariant(M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     w = input_major(torch.randn(N, K, generator=g))
@@ -39,7 +39,8 @@ def test_equals_f_linear_and_is_batch_invariant(M, N, K):
         y, ref = small_m.linear(x, w, bias), F.linear(x, w, bias)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         for m in range(M):  # a row's bits do not depend on the rows it shares the call with (nor on the sweep's
-            # U: one or two rows of N <= 1280 sweep one weight row at a time, others 8 / 16 at a time)
+            # U: one or two rows of N <= 1280 sweep one weight row at a time, others 8 / 16 at a time; nor on
+            # whether AVX2 sweeps 4+ rows of a 1 KB-multiple width through its padded scratch: N = 256, 1024)
             assert torch.equal(small_m.linear(x[[m, (m + 1) % M]], w, bias)[0], y[m])
             assert torch.equal(small_m.linear(x[[m]], w, bias)[0], y[m])
 
@@ -114,3 +115,30 @@ def test_switched_off_by_the_environment():
     env = {**os.environ, "EXPERTSPEC_SMALL_M": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "off (EXPERTSPEC_SMALL_M=0) False"
+
+
+@pytest.mark.parametrize("cap, flags, status", [
+    ("AVX512", ["-mavx512f", "-mfma"], "on (AVX-512)"),
+    ("AVX2", ["-mavx2", "-mfma"], "on (AVX2)"),
+    ("DEFAULT", None, "off (CPU capability DEFAULT, needs AVX2 or AVX512)"),
+])  # fmt: skip
+def test_simd_extensions_build_for_the_cpus_vector_set(monkeypatch, cap, flags, status):
+    """A simd extension is built with the flags of the widest vector set torch detects, or is off without one."""
+    from torch.utils import cpp_extension
+
+    from kernels.cpp_build import CppExtension
+
+    seen = {}
+
+    def fake_load(name, sources, extra_cflags, verbose):
+        seen["cflags"] = extra_cflags
+        return object()
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    ext = CppExtension("small_m", "EXPERTSPEC_TEST_UNSET", ("-O3",), simd=True)
+    assert ext.status() == status
+    if flags is None:
+        assert ext.load() is None and "cflags" not in seen
+    else:
+        assert seen["cflags"][0] == "-O3" and seen["cflags"][-2:] == flags
