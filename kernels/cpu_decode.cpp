@@ -163,7 +163,13 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
       if (top == -INFINITY) continue;  // sees no key: zeros (SDPA would give NaN; padding rows only)
       vf acc = v::zero();
       const vf vtop = v::set1(top);
-      for (int64_t j = 0; j < S; j += L) {
+      int64_t j = 0;
+      for (; j + L <= S; j += L) {  // whole vectors unmasked (simd::load_part: AVX2's masked store is slow)
+        const vf e = vexp(v::sub(v::load(p.data() + j), vtop));
+        v::store(p.data() + j, e);
+        acc = v::add(acc, e);
+      }
+      if (j < S) {
         const vmask m = v::first(S - j);
         const vf e = v::keep(m, vexp(v::sub(v::load(m, p.data() + j), vtop)));
         v::store(m, p.data() + j, e);
@@ -205,12 +211,16 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const c10::optio
 
 // out[f] = silu(g[f]) * u[f] = g / (1 + e^-g) * u for f < F (out may alias g)
 inline void silu_mul(const float* g, const float* u, float* out, int64_t F) {
-  for (int64_t f = 0; f < F; f += L) {
-    const vmask m = v::first(F - f);
-    const vf gv = v::load(m, g + f);
+  const vmask tail = v::first(F % L);
+  auto at = [&](int64_t f, auto part) {  // whole vectors unmasked, the partial last one masked
+    constexpr bool P = decltype(part)::value;
+    const vf gv = v::load_part<P>(tail, g + f);
     const vf act = v::div(gv, v::add(v::set1(1.0f), vexp(v::sub(v::zero(), gv))));
-    v::store(m, out + f, v::mul(act, v::load(m, u + f)));
-  }
+    v::store_part<P>(tail, out + f, v::mul(act, v::load_part<P>(tail, u + f)));
+  };
+  int64_t f = 0;
+  for (; f + L <= F; f += L) at(f, v::Whole{});
+  if (f < F) at(f, v::Partial{});
 }
 
 // y[m, :out] = W x[m] for M <= 8 rows and a row-major W [out, in] (row stride s_out): each weight row read once for
@@ -223,10 +233,13 @@ void dots(const float* x, int64_t ldx, const float* W, int64_t s_out, int64_t ou
     const float* w = W + j * s_out;
     vf acc[M];
     for (int m = 0; m < M; ++m) acc[m] = v::zero();
-    for (int64_t k = 0; k < in; k += L) {
-      const vmask mk = k < full ? v::all() : tail;
-      const vf wv = v::load(mk, w + k);
-      for (int m = 0; m < M; ++m) acc[m] = v::fmadd(v::load(mk, x + m * ldx + k), wv, acc[m]);
+    for (int64_t k = 0; k < full; k += L) {
+      const vf wv = v::load(w + k);
+      for (int m = 0; m < M; ++m) acc[m] = v::fmadd(v::load(x + m * ldx + k), wv, acc[m]);
+    }
+    if (full < in) {
+      const vf wv = v::load(tail, w + full);
+      for (int m = 0; m < M; ++m) acc[m] = v::fmadd(v::load(tail, x + m * ldx + full), wv, acc[m]);
     }
     for (int m = 0; m < M; ++m) y[m * ldy + j] = v::reduce_add(acc[m]);
   }
