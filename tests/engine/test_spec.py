@@ -7,6 +7,7 @@ import torch
 
 import engine
 from engine.spec.sampling import SamplingParams
+from engine.zoo.train_lm import use_bf16_autocast
 
 PROMPTS = [[5, 7, 9, 11, 3, 5, 7, 9, 11], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [60]]
 SPECS = [
@@ -169,6 +170,11 @@ def test_virtual_ep_must_match_the_target(target):
         engine.Engine(target, virtual_ep=place_experts(8, 2, "contiguous"))
 
 
+@pytest.mark.skipif(
+    not use_bf16_autocast("auto"),
+    reason="bf16 CPU matmuls without native bf16 dot products (avx512_bf16 / amx_bf16) are not batch-invariant: "
+    "verifying n tokens can flip a near-tie that decoding one token does not (fails with the C++ kernels off too)",
+)
 def test_bf16_target_with_fp32_drafter_on_another_backend(tiny_moe_dir, tiny_dense_dir):
     target16 = engine.load_model(tiny_moe_dir, dtype=torch.bfloat16)
     base = engine.Engine(target16).generate(PROMPTS, 16)
