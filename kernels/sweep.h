@@ -8,8 +8,7 @@
 // stay in registers while each row's accumulator is loaded, updated U times and stored: the accumulator traffic
 // through the cache is 1/U of the FMAs. U (measured, cold weights of the benchmark shapes, README): 1 for one or two
 // rows whose accumulators fit in 10 KB (M N <= 2560 floats) — each weight row then streams whole, in address order,
-// 1.1-1.9x faster than U = 8 / 16 there —, else 16 (8 for one row: a wide LM head); with AVX2's 16 vector
-// registers U = 8 for every M (16 weight vectors would spill).
+// 1.1-1.9x faster than U = 8 / 16 there —, else 8 (one row: a wide LM head; more rows: see kWideU, kWideC).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -20,29 +19,57 @@
 namespace expertspec {
 
 constexpr int64_t kLanes = simd::kLanes;
-constexpr int kWideU = simd::kRegisters >= 32 ? 16 : 8;  // U for M >= 2 (beyond the row-streaming case)
-constexpr int kOneRowU = 8;                               // U for one row
+// U and C (adjacent columns per pass) for M >= 2 beyond the row-streaming case: AVX-512 8 x 2 (16 weight vectors
+// live, each broadcast of x feeding two FMAs: 1.0-1.2x the 16 x 1 sweep per matrix, forward 1.00-1.035x at n >= 8,
+// README), AVX2 8 x 1 (16 registers)
+constexpr int kWideU = 8;
+constexpr int kWideC = simd::kRegisters >= 32 ? 2 : 1;
+constexpr int kOneRowU = 8;  // U for one row
 constexpr int64_t kMaxBlock = 16;  // rows per sweep
 
 constexpr int64_t kRowStreamFloats = 2560;  // M N at most for U = 1 (M <= 2)
 
-// Column n of the sweep (a whole vector, or the partial last one when P): y[:, n] += x[:, k:k+U] wt[k:k+U, n]
-template <int M, int U, bool P>
+// C adjacent columns from n (C whole vectors, or one partial last vector when P): y[:, n...] += x[:, k:k+U]
+// wt[k:k+U, n...]. The C U weight vectors stay in registers while each row's C accumulators are loaded, updated U
+// times and stored; each x[m, k + u] is broadcast once for the C columns.
+template <int M, int U, int C, bool P>
 inline void sweep_column(const float* __restrict x, int64_t ldx, const float* __restrict w0, int64_t ldw, int64_t k,
                          float* __restrict y, int64_t ldy, int64_t n, simd::vmask tail) {
-  simd::vf wv[U];
+  simd::vf wv[C][U];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
 #pragma GCC unroll 16
-  for (int u = 0; u < U; ++u) wv[u] = simd::load_part<P>(tail, w0 + u * ldw + n);
+    for (int u = 0; u < U; ++u) wv[c][u] = simd::load_part<P>(tail, w0 + u * ldw + n + c * kLanes);
+  }
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
-    simd::vf acc = simd::load_part<P>(tail, y + m * ldy + n);
+    simd::vf acc[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[c] = simd::load_part<P>(tail, y + m * ldy + n + c * kLanes);
 #pragma GCC unroll 16
-    for (int u = 0; u < U; ++u) acc = simd::fmadd(simd::set1(x[m * ldx + k + u]), wv[u], acc);
-    simd::store_part<P>(tail, y + m * ldy + n, acc);
+    for (int u = 0; u < U; ++u) {
+      const simd::vf b = simd::set1(x[m * ldx + k + u]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[c] = simd::fmadd(b, wv[c][u], acc[c]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) simd::store_part<P>(tail, y + m * ldy + n + c * kLanes, acc[c]);
   }
 }
 
-template <int M, int U>
+// U weight rows from k over columns [n0, n1): C whole columns at a time, then single ones, then the partial last
+template <int M, int U, int C>
+inline void sweep_rows_k(const float* __restrict x, int64_t ldx, const float* __restrict w0, int64_t ldw, int64_t k,
+                         float* __restrict y, int64_t ldy, int64_t n0, int64_t full, int64_t n1, simd::vmask tail) {
+  int64_t n = n0;
+  if constexpr (C > 1) {
+    for (; n + C * kLanes <= full; n += C * kLanes) sweep_column<M, U, C, false>(x, ldx, w0, ldw, k, y, ldy, n, tail);
+  }
+  for (; n < full; n += kLanes) sweep_column<M, U, 1, false>(x, ldx, w0, ldw, k, y, ldy, n, tail);
+  if (full < n1) sweep_column<M, U, 1, true>(x, ldx, w0, ldw, k, y, ldy, full, tail);
+}
+
+template <int M, int U, int C = 1>
 inline void sweep_u(const float* __restrict x, int64_t ldx, const float* __restrict wt, int64_t ldw, int64_t K,
                     const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t full = n0 + (n1 - n0) / kLanes * kLanes;  // [n0, full) whole vectors, [full, n1) one partial
@@ -53,16 +80,8 @@ inline void sweep_u(const float* __restrict x, int64_t ldx, const float* __restr
     for (int m = 0; m < M; ++m) simd::store(mk, y + m * ldy + n, b);
   }
   int64_t k = 0;
-  for (; k + U <= K; k += U) {  // the weight rows U at a time
-    const float* w0 = wt + k * ldw;
-    for (int64_t n = n0; n < full; n += kLanes) sweep_column<M, U, false>(x, ldx, w0, ldw, k, y, ldy, n, tail);
-    if (full < n1) sweep_column<M, U, true>(x, ldx, w0, ldw, k, y, ldy, full, tail);
-  }
-  for (; k < K; ++k) {  // K's remainder, one row at a time
-    const float* w0 = wt + k * ldw;
-    for (int64_t n = n0; n < full; n += kLanes) sweep_column<M, 1, false>(x, ldx, w0, ldw, k, y, ldy, n, tail);
-    if (full < n1) sweep_column<M, 1, true>(x, ldx, w0, ldw, k, y, ldy, full, tail);
-  }
+  for (; k + U <= K; k += U) sweep_rows_k<M, U, C>(x, ldx, wt + k * ldw, ldw, k, y, ldy, n0, full, n1, tail);
+  for (; k < K; ++k) sweep_rows_k<M, 1, 1>(x, ldx, wt + k * ldw, ldw, k, y, ldy, n0, full, n1, tail);  // K's rest
 }
 
 // AVX2 builds: accumulator rows whose stride is a multiple of 1 KB share a few L1 sets (4 KB aliasing) and evict
@@ -79,14 +98,15 @@ inline void sweep(const float* __restrict x, int64_t ldx, const float* __restric
     return;
   }
   constexpr int U = M == 1 ? kOneRowU : kWideU;
+  constexpr int C = M == 1 ? 1 : kWideC;
   if (!(kPadAliasedRows && M >= 4 && ldy % 256 == 0)) {
-    sweep_u<M, U>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
+    sweep_u<M, U, C>(x, ldx, wt, ldw, K, bias, y, ldy, n0, n1);
     return;
   }
   thread_local std::vector<float> scratch;
   const int64_t width = n1 - n0, lds = (width + 15) / 16 * 16 + 16;  // rows 64 B off the 1 KB grid
   if (static_cast<int64_t>(scratch.size()) < M * lds) scratch.resize(M * lds);
-  sweep_u<M, U>(x, ldx, wt, ldw, K, bias ? bias + n0 : nullptr, scratch.data(), lds, 0, width);
+  sweep_u<M, U, C>(x, ldx, wt, ldw, K, bias ? bias + n0 : nullptr, scratch.data(), lds, 0, width);
   for (int m = 0; m < M; ++m) std::copy_n(scratch.data() + m * lds, width, y + m * ldy + n0);
 }
 
