@@ -57,7 +57,8 @@ def _print_bound(res: dict) -> None:
     bw, after = res["bandwidth"], res["bandwidth_after"]
     print(
         f"\n== unseen random checkpoints vs the weight-read bound (fp32, batch 1, one thread) ==\n"
-        f"streaming read {bw['stream_Bps'] / 1e9:.1f} GB/s (after: {after['stream_Bps'] / 1e9:.1f}), large gemv "
+        f"streaming read {bw['stream_Bps'] / 1e9:.1f} GB/s over {bw['stream_buffer_bytes'] / 2**20:.0f} MB (after: "
+        f"{after['stream_Bps'] / 1e9:.1f}; last-level cache {bw['llc_bytes'] / 2**20:.0f} MB), large gemv "
         f"{bw['gemv_Bps'] / 1e9:.1f} GB/s, large GEMM {bw['gemm_flops'] / 1e9:.0f} GFLOP/s"
     )
     print(f"{'shape':>16} {'n':>3} {'U/layer':>7} {'MB read':>8} {'ms':>7} {'bound ms':>8} {'x bound':>7} "
@@ -70,6 +71,8 @@ def _print_bound(res: dict) -> None:
                 f"{r['seconds'] * 1e3:>7.2f} {r['bound_seconds'] * 1e3:>8.2f} {r['bound_ratio']:>6.2f}x "
                 f"{r['gemv_bound_ratio']:>5.2f}x {r['roofline_ratio']:>9.2f}x {hf}"
             )
+    for w in res.get("warnings", []):
+        print("WARNING:", w)
 
 
 def _quiet_transformers() -> None:

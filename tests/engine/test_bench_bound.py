@@ -28,8 +28,32 @@ def test_bound_rows_count_the_weights_each_forward_reads():
         gained = (rows[2]["mean_distinct_experts"] - rows[0]["mean_distinct_experts"]) * shape.num_hidden_layers
         assert extra == pytest.approx(gained * expert)
         for r in rows:
+            assert r["cache_resident"] == (r["weight_bytes"] <= res["bandwidth"]["llc_bytes"])
             assert r["bound_ratio"] == pytest.approx(r["seconds"] / r["bound_seconds"])
             assert r["roofline_ratio"] <= r["bound_ratio"] and r["speedup_vs_hf"] > 0
+
+
+def test_stream_buffer_exceeds_the_last_level_cache(monkeypatch):
+    import engine.bench.bound as bound
+
+    monkeypatch.setattr(bound, "last_level_cache_bytes", lambda: 300 * 2**20)
+    bw = bound.measure_bandwidth(repeats=1)
+    assert bw["llc_bytes"] == 300 * 2**20 and bw["stream_buffer_bytes"] == 600 * 2**20  # DRAM's rate, not the cache's
+    monkeypatch.setattr(bound, "last_level_cache_bytes", lambda: 0)  # unknown: the 512 MB default
+    assert bound.measure_bandwidth(repeats=1)["stream_buffer_bytes"] == 512 * 2**20
+
+
+def test_last_level_cache_size_reads_sysfs(tmp_path, monkeypatch):
+    import engine.bench.bound as bound
+
+    for i, (level, size) in enumerate([(1, "48K"), (2, "2048K"), (3, "480M")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    real = bound.Path
+    monkeypatch.setattr(bound, "Path", lambda p: tmp_path if "cpu0/cache" in str(p) else real(p))
+    assert bound.last_level_cache_bytes() == 480 * 2**20
 
 
 def test_checkpoint_loads_through_our_code_with_the_decode_layout(tmp_path):
