@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import annotate_tree, select_verified
@@ -49,10 +50,12 @@ from engine.models.batching import PackItem, chain_item, expansion_item, pack
 from engine.models.expert_predictor import ExpertPredictor
 from engine.models.feature_heads import FeatureHead, MTPHead
 from engine.models.kv_cache import PagedKVCache
+from engine.models.layout import use_decode_layout
 from engine.models.transformer import Model
 from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
+from kernels.small_m import linear
 
 # ---------------------------------------------------------------------------------------------- drafter
 
@@ -100,6 +103,7 @@ class EagleDrafter:
                 f"{head.feature_space!r} features"
             )
         self.head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        use_decode_layout(self.head)  # CPU: each weight in the layout its gemv reads fastest (as the target's)
         self.target = target
         self.predictor = None if predictor is None else predictor.to(target.device).eval().requires_grad_(False)
         self.block_size = block_size
@@ -171,12 +175,12 @@ class EagleDrafter:
     def _run(self, items: list[PackItem], features: torch.Tensor) -> torch.Tensor:
         """One packed head forward: items' tokens with features [N, D] (packed order) -> outputs [N, D]."""
         batch = pack(items, self.target.device)
-        token_emb = self.target.model.embed_tokens(batch.input_ids)
+        token_emb = F.embedding(batch.input_ids, self.target.model.embed_tokens.weight)
         return self.head.forward_cached(features.to(self.target.dtype), token_emb, batch, self.kv)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Head outputs [n, D] -> draft logits [n, V] (float32)."""
-        return self.target.lm_head(self.head.readout(out)).float()
+        """Head outputs [n, D] -> draft logits [n, V] (float32), the target's LM head as its forward reads it."""
+        return linear(self.head.readout(out), self.target.lm_head.weight).float()
 
     def catch_up(self, seq_ids: list[int]) -> list[torch.Tensor | None]:
         """Feed every queued (feature, token) pair of these sequences (one packed forward, causal chunk

@@ -70,9 +70,17 @@ def expansion_item(
     fed = sorted(fed_slots)
     read = torch.cat([ctx_slots, torch.tensor([fed_slots[i] for i in fed], dtype=torch.long)])  # [c + f]
     c = ctx_slots.shape[0]
-    mask = torch.zeros(len(nodes), read.shape[0], dtype=torch.bool)
-    mask[:, :c] = True
-    mask[:, c:] = ancestor_mask(torch.tensor(parents))[torch.tensor(nodes)][:, torch.tensor(fed)]
+    column = {node: j for j, node in enumerate(fed)}
+    seen = []  # [n][f]: fed column j is node i or one of its ancestors (`ancestor_mask` restricted to the fed)
+    for i in nodes:
+        row = [False] * len(fed)
+        while i >= 0:
+            if (j := column.get(i)) is not None:
+                row[j] = True
+            i = parents[i]
+        seen.append(row)
+    mask = torch.ones(len(nodes), read.shape[0], dtype=torch.bool)
+    mask[:, c:] = torch.tensor(seen, dtype=torch.bool).view(len(nodes), len(fed))
     return PackItem(
         tokens=torch.tensor([tokens[i] for i in nodes]),
         positions=torch.tensor([c - 1 + depths[i] for i in nodes]),

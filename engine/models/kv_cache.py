@@ -26,9 +26,13 @@ class KVCacheFull(RuntimeError):
 
 @dataclass
 class SequenceBlocks:
-    """Block table of one sequence (its committed length is the caller's: positions are reserved on demand)."""
+    """Block table of one sequence (its committed length is the caller's: positions are reserved on demand).
+
+    table [len(blocks) * block_size]: the slot of every reserved position, extended with the blocks (`slots` of a
+    range returns a view of it: no per-call index arithmetic)."""
 
     blocks: list[int] = field(default_factory=list)
+    table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
 
 class PagedKVCache:
@@ -91,7 +95,9 @@ class PagedKVCache:
         seq = self.seqs[seq_id]
         need = -(-length // self.block_size) - len(seq.blocks)
         if need > 0:
-            seq.blocks.extend(self._take(need))
+            new = self._take(need)
+            seq.blocks.extend(new)
+            seq.table = torch.cat([seq.table, self._block_slots(new)])
 
     def release(self, seq_id: int) -> None:
         """Return every block of a finished sequence (and any scratch) to the free list."""
@@ -103,9 +109,19 @@ class PagedKVCache:
         return -(-length // self.block_size)
 
     # ------------------------------------------------------------------ slots
+    def _block_slots(self, blocks: list[int]) -> torch.Tensor:
+        """Every slot of these blocks, in order -> LongTensor [len(blocks) * block_size]."""
+        bs = self.block_size
+        return (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)).reshape(-1)
+
     def slots(self, seq_id: int, positions: torch.Tensor | range | list[int]) -> torch.Tensor:
-        """Cache slots of committed positions of a sequence -> LongTensor [len(positions)]."""
+        """Cache slots of committed positions of a sequence -> LongTensor [len(positions)] (for a step-1 range, a
+        read-only view of the sequence's slot table)."""
         seq = self.seqs[seq_id]
+        if isinstance(positions, range) and positions.step == 1 and positions.start >= 0:
+            if positions.stop > seq.table.shape[0] and len(positions):
+                raise IndexError(f"position {positions.stop - 1} beyond the reserved blocks of sequence {seq_id}")
+            return seq.table[positions.start : max(positions.start, positions.stop)]
         pos = torch.as_tensor(list(positions) if isinstance(positions, range) else positions, dtype=torch.long)
         if pos.numel() and int(pos.max()) >= len(seq.blocks) * self.block_size:
             raise IndexError(f"position {int(pos.max())} beyond the reserved blocks of sequence {seq_id}")
@@ -116,9 +132,7 @@ class PagedKVCache:
         """Allocate scratch blocks for n unverified tree nodes -> LongTensor [n] of slots."""
         blocks = self._take(self.blocks_needed(n))
         self.scratch.setdefault(seq_id, []).extend(blocks)
-        table = torch.tensor(blocks, dtype=torch.long)
-        idx = torch.arange(n)
-        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+        return self._block_slots(blocks)[:n]
 
     def hold_pad_block(self) -> int:
         """Take one block out of circulation for padding tokens' writes (idempotent) -> its block id."""

@@ -432,7 +432,8 @@ class Engine:
             else:
                 tok = sample_from_probs(process_logits(logits[0], r.params), r.generator)
             return VerifyResult(accepted_nodes=[], committed_tokens=[tok], bonus=True, rejection_depth=None)
-        target_probs = process_logits(logits, r.params)
+        # greedy walks the argmax, which raw logits and their one-hots share (first index on ties): no [N, V] one-hot
+        target_probs = logits if r.params.greedy else process_logits(logits, r.params)
         draft_probs = tree.draft_probs if (s.use_drafted_children and not r.params.greedy) else None
         return verify_tree(tree.tokens, tree.parents, target_probs, r.params, r.generator, draft_probs)
 

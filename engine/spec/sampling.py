@@ -93,10 +93,13 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         target_argmax = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
         return torch.zeros_like(logits).scatter_(-1, target_argmax, 1.0)
 
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if top_k == 0 and params.top_p >= 1.0 and params.temperature == 1.0:
+        # the same bits as below: softmax subtracts the max itself, and x - max == (x - max) - 0 exactly
+        return torch.softmax(logits, dim=-1)
     # Subtract the max first: a tiny temperature would otherwise overflow logits / t to +-inf.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     scaled = shifted / params.temperature
-    top_k = params.top_k if 0 < params.top_k < vocab else 0
     if top_k == 0 and params.top_p >= 1.0:
         return torch.softmax(scaled, dim=-1)
 

@@ -116,15 +116,15 @@ def verify_tree(
 
     draft_tokens: LongTensor [N]; draft_tokens[0] is the root (last committed) token.
     parents:      LongTensor [N]; parents[0] = -1, 0 <= parents[i] < i for i > 0.
-    target_probs: FloatTensor [N, V]; processed target distribution after each node (greedy uses its
-                  argmax, so raw probabilities or one-hots both work).
+    target_probs: FloatTensor [N, V]; processed target distribution after each node (greedy reads only its
+                  argmax, so raw logits, probabilities or one-hots all work, and their rows are not checked).
     params:       the request's SamplingParams (only `greedy` matters here: temperature / top-k / top-p
                   must already be applied to target_probs and draft_probs, identically).
     generator:    the request's stream (None: torch's default generator; unused when greedy).
     draft_probs:  FloatTensor [N, V] or None; drafter law each node's children were drawn from i.i.d.
                   None = deterministic children. Ignored when greedy.
     """
-    tree = _check_inputs(draft_tokens, parents, target_probs, draft_probs)
+    tree = _check_inputs(draft_tokens, parents, target_probs, draft_probs, rows=not params.greedy)
     if params.greedy:
         return _walk_greedy(tree, target_probs)
     if draft_probs is None:
@@ -247,8 +247,10 @@ def _normalised(row: Tensor) -> Tensor:
     return row / row.sum()
 
 
-def _check_inputs(draft_tokens: Tensor, parents: Tensor, target_probs: Tensor, draft_probs: Tensor | None) -> _Tree:
-    """Validate everything up front (no randomness consumed on error); build children lists."""
+def _check_inputs(draft_tokens: Tensor, parents: Tensor, target_probs: Tensor, draft_probs: Tensor | None,
+                  rows: bool = True) -> _Tree:  # fmt: skip
+    """Validate everything up front (no randomness consumed on error); build children lists. rows: check the
+    distributions' entries (greedy reads only the argmax of target_probs, which may be logits)."""
     if draft_tokens.dim() != 1 or draft_tokens.numel() == 0 or _not_integer(draft_tokens):
         raise ValueError(
             "draft_tokens must be a non-empty 1-D integer tensor [N], "
@@ -289,6 +291,8 @@ def _check_inputs(draft_tokens: Tensor, parents: Tensor, target_probs: Tensor, d
     if min(tokens) < 0 or max(tokens) >= vocab:
         raise ValueError(f"draft_tokens must lie in [0, V={vocab}), got min {min(tokens)} max {max(tokens)}")
 
+    if not rows:
+        return _Tree(tokens=tokens, children=children, depths=depths)
     _check_rows("target_probs", target_probs, [True] * num_nodes)
     if draft_probs is not None:  # leaf rows are never used: they only need to be finite
         _check_rows("draft_probs", draft_probs, [bool(kids) for kids in children])

@@ -181,3 +181,13 @@ def test_make_generator_streams() -> None:
     unseeded = [first_draws(make_generator(None, 0)) for _ in range(2)]
     assert unseeded[0] != unseeded[1]
     assert torch.equal(torch.get_rng_state(), global_state)  # the global generator is untouched
+
+
+def test_process_logits_at_temperature_one_is_the_shifted_softmax_bit_for_bit() -> None:
+    """T = 1 without truncation skips the explicit max shift and division: the same bits as the general path."""
+    g = torch.Generator().manual_seed(0)
+    for shape, scale in [((4096,), 1.0), ((7, 4096), 30.0), ((3, 33), 100.0)]:
+        x = torch.randn(*shape, generator=g) * scale
+        x[..., 3] = -math.inf
+        shifted = x - x.amax(dim=-1, keepdim=True)
+        assert torch.equal(process_logits(x, SamplingParams(temperature=1.0)), torch.softmax(shifted / 1.0, dim=-1))

@@ -436,3 +436,18 @@ def test_zero_mass_leaf_draft_row_is_allowed() -> None:
         assert got == ref, seed
         reached_leaf += got.accepted_nodes == [1, 2]
     assert 0 < reached_leaf < 64  # the walk did get to the leaf whose row is zero, and stopped before it too
+
+
+def test_greedy_reads_raw_logits_like_their_one_hots() -> None:
+    """The engine hands greedy verification the logits (no [N, V] one-hot): same walk, same tokens, ties included."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        n, vocab = int(torch.randint(1, 12, (1,), generator=g)), 9
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+        tokens = torch.randint(0, vocab, (n,), generator=g)
+        logits = torch.randint(-3, 3, (n, vocab), generator=g).float()  # coarse values: many ties
+        if trial % 3 == 0:  # make the draft agree with the target somewhere
+            tokens[1:] = logits.argmax(-1)[parents[1:]]
+        a = verify_tree(tokens, parents, logits, GREEDY, None)
+        b = verify_tree(tokens, parents, process_logits(logits, GREEDY), GREEDY, None)
+        assert a == b
