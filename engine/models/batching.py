@@ -93,9 +93,12 @@ def expansion_item(
 def _run_start(slots: torch.Tensor) -> int | None:
     """slots [S] -> slots[0] when they are slots[0], slots[0] + 1, ..., else None."""
     S = slots.shape[0]
-    if S == 0 or int(slots[-1]) - int(slots[0]) != S - 1:
+    if S == 0:
         return None
-    return int(slots[0]) if S == 1 or bool((slots.diff() == 1).all()) else None
+    first, last = slots[[0, -1]].tolist()
+    if last - first != S - 1:
+        return None
+    return first if S == 1 or bool((slots.diff() == 1).all()) else None
 
 
 def pack(items: list[PackItem], device: torch.device) -> ForwardBatch:

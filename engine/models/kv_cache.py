@@ -132,7 +132,8 @@ class PagedKVCache:
         """Allocate scratch blocks for n unverified tree nodes -> LongTensor [n] of slots."""
         blocks = self._take(self.blocks_needed(n))
         self.scratch.setdefault(seq_id, []).extend(blocks)
-        return self._block_slots(blocks)[:n]
+        bs = self.block_size
+        return torch.tensor([b * bs + i for b in blocks for i in range(bs)][:n], dtype=torch.long)
 
     def hold_pad_block(self) -> int:
         """Take one block out of circulation for padding tokens' writes (idempotent) -> its block id."""
