@@ -119,14 +119,18 @@ def report_extras(extras: dict) -> str:
     lines = ["## Learned policy: share of the oracle's headroom and ablation", ""]
     lines += ["Share of headroom = (learned − static-best-test) / (oracle − static-best-test), committed per cost, "
               "per training seed.", ""]  # fmt: skip
-    lines += ["| cost model | workload | share per seed | ablation (variant: committed per cost) |"]
-    lines += ["|---|---|---|---|"]
+    lines += ["Fit on the training prompts = the learner's committed per cost on its own training prompts ÷ "
+              "static-best-train's there, per seed: below 1 it does not fit what it was trained on (the observation "
+              "lacks what it needs); above 1 there but not on the held-out prompts, it over-fits.", ""]  # fmt: skip
+    lines += ["| cost model | workload | share per seed | fit on the training prompts | ablation (variant: committed "
+              "per cost) |", "|---|---|---|---|---|"]  # fmt: skip
     for cost, x in extras.items():
         for learner, per_wl in x.get("headroom", {}).items():
             for wl, shares in per_wl.items():
                 variants = x.get("ablation", {}).get(learner, {}).get(wl, [])
                 abl = "; ".join(f"{a['variant']}: {a['committed_per_cost']:.4g}" for a in variants)
-                lines.append(f"| {cost} | {learner} · {wl} | {', '.join(f'{s:.1%}' for s in shares)} | {abl} |")
+                fit = ", ".join(f"{f:.3f}" for f in x.get("train_fit", {}).get(learner, {}).get(wl, [])) or "–"
+                lines.append(f"| {cost} | {learner} · {wl} | {', '.join(f'{s:.1%}' for s in shares)} | {fit} | {abl} |")
     cal = next(iter(extras.values()), {}).get("calibration", {})
     if cal:
         lines += ["", "## Draft-confidence calibration (isotonic per depth, fitted on the training prompts)", ""]

@@ -365,7 +365,7 @@ def evaluate(
     grid = grid_of(conf)
     rows: list[dict[str, Any]] = []
     plots: dict[str, dict[str, Any]] = {}
-    extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}}
+    extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}, "train_fit": {}}
     frozen = {learner: [load_frozen_policy(p) for p in paths] for learner, paths in policy_paths.items() if paths}
     tick = on_policy or (lambda name: None)
     trained = cost.policies_from or cost.name  # the cost model the learned policies were trained under
@@ -433,6 +433,7 @@ def evaluate(
                 (r["committed_per_cost"] - base["committed_per_cost"]) / gap if gap > 0 else float("nan")
                 for r in seed_rows
             ]
+            extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, c_train)
             if conf.ablation:
                 extras["ablation"].setdefault(learner, {})[name] = ablation(env, train_ids, test_ids, fps, grid)
         if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
@@ -443,6 +444,16 @@ def evaluate(
                 plot[pol_name] = per_policy_plot_data(reqs)
         plots[name] = plot
     return rows, plots, extras
+
+
+def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], c_train: np.ndarray) -> list[float]:
+    """Each seed's committed per cost on its own training prompts ÷ static-best-train's there (the action chosen
+    on them): below 1 the learner does not even fit what it was trained on (the observation lacks what it needs),
+    above 1 here but not on the held-out prompts it over-fits."""
+    idx = _unflat(env, int(np.argmin(c_train)))
+    static = summarize(run_requests(env, train_ids, lambda v: env.unwrapped.codec.encode(idx), "index"))
+    return [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
+            / static.committed_per_cost for fp in frozen]  # fmt: skip
 
 
 def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[str, Any]]:
