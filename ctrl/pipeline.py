@@ -24,6 +24,7 @@ import numpy as np
 from ctrl.config import CostSpecConf, MainConf
 from ctrl.metrics import request_speedup, summarize
 from ctrl.policies import make_policy
+from ctrl.rollout import ablation, frozen_runner, run_requests, static_costs, train_fit, unflat
 from engine.runtime.action_grid import ActionGrid
 from engine.spec.config import SpecConfig
 
@@ -175,37 +176,6 @@ def fit_acceptance_model(conf: MainConf, traces: dict[str, Any]) -> Any:
     return fit_acceptance([(traces[n], split(traces[n], conf)[0]) for n in sorted(traces)])
 
 
-# ---------------------------------------------------------------------------------------------- running policies
-def run_request(env: Any, request: int, act: Callable[[Any], Any], kind: str, reset: Callable[[], None] | None = None):
-    """One episode = one request; `act` takes the Observation ("spec": returns a SpecConfig) or the obs vector
-    ("index": returns grid indices / an env action). Returns the episode's RoundStats."""
-    e = env.unwrapped
-    vec, _ = e.reset(options={"request": request})
-    if reset is not None:
-        reset()
-    done = False
-    while not done:
-        a = act(e.observation()) if kind == "spec" else act(vec)
-        vec, _, term, trunc, _ = e.step(a)
-        done = term or trunc
-    return list(e.rounds)
-
-
-def run_requests(env, requests, act, kind, reset=None) -> list[list[Any]]:
-    return [run_request(env, i, act, kind, reset) for i in requests]
-
-
-def static_costs(env: Any, requests: Sequence[int]) -> np.ndarray:
-    """Total cost of every grid action used statically over `requests` [A] (env.oracle.static_returns)."""
-    from env.oracle import static_returns
-
-    total = None
-    for i in requests:
-        _, c = static_returns(env, i)
-        total = c if total is None else total + c
-    return total
-
-
 def profile(env: Any, requests: Sequence[int], grid: ActionGrid, static: np.ndarray) -> dict[str, Any]:
     """What the published rules are configured with, measured on training prompts only: the verification cost
     curve T_verify(n)/T_AR (EVICT's profiled C(k)), the round cost ITL(K)/T_AR (vLLM's profiled ITL at batch
@@ -240,9 +210,9 @@ def profile(env: Any, requests: Sequence[int], grid: ActionGrid, static: np.ndar
     acc = summarize(acc_rounds).acceptance_by_depth
     acc = [0.0 if a != a else float(a) for a in acc] + [0.0] * (kmax - len(acc))
     # vLLM's batch-size table holds one K per batch size for chains with every draft verified: the best such K
-    chain_all = [a for a in range(len(static)) if (s := grid.spec(_unflat(env, a))).width == 1
+    chain_all = [a for a in range(len(static)) if (s := grid.spec(unflat(env, a))).width == 1
                  and s.verify_rule == "all" and s.lam == 0]  # fmt: skip
-    best = grid.spec(_unflat(env, min(chain_all or range(len(static)), key=lambda a: static[a])))
+    best = grid.spec(unflat(env, min(chain_all or range(len(static)), key=lambda a: static[a])))
     # DISCO / SpecDec++: a chain to Kmax stopped by the grid's stop rule (raw or calibrated acceptance estimate)
     # and threshold that give the lowest cost on the training prompts
     codec, chain = e.codec, grid.widths.index(1) if 1 in grid.widths else None
@@ -252,10 +222,6 @@ def profile(env: Any, requests: Sequence[int], grid: ActionGrid, static: np.ndar
     disco = min(stops)[1:] if stops else ("threshold", 0.3)
     return {"verify_curve": curve, "itl": itl, "acceptance": acc[:kmax], "best_static_k": best.depth,
             "disco_rule": list(disco)}  # fmt: skip
-
-
-def _unflat(env, a: int):
-    return env.unwrapped.codec.unflat(a)
 
 
 def _sglang(prof: dict, grid: ActionGrid):
@@ -306,18 +272,6 @@ def per_policy_plot_data(requests: list[list[Any]]) -> dict[str, Any]:
         "footprint": [(r.verified_tokens, float(np.mean(r.distinct_experts))) for q in requests for r in q
                       if len(r.distinct_experts)],
     }  # fmt: skip
-
-
-def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
-    """The frozen learned policy as an env actor; `freeze` pins action dimensions (ablation: {dim: index})."""
-
-    def act(vec):
-        idx = list(policy.act_index(vec))
-        for d, i in (freeze or {}).items():
-            idx[d] = i
-        return env.unwrapped.codec.encode(idx)
-
-    return act
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -391,7 +345,7 @@ def evaluate(
         # static: the best action of the whole grid, chosen on the training prompts and on the test prompts
         c_train, c_test = static_costs(env, train_ids), static_costs(env, test_ids)
         for label, costs in (("static-best-train", c_train), ("static-best-test", c_test)):
-            idx = _unflat(env, int(np.argmin(costs)))
+            idx = unflat(env, int(np.argmin(costs)))
             spec = grid.spec(idx)
             add(label, run_requests(env, test_ids, lambda v, idx=idx, e=env: e.unwrapped.codec.encode(idx), "index"),
                 action=f"K={spec.depth} W={spec.width} rule={spec.verify_rule}:{spec.verify_threshold:g}")  # fmt: skip
@@ -444,41 +398,6 @@ def evaluate(
                 plot[pol_name] = per_policy_plot_data(reqs)
         plots[name] = plot
     return rows, plots, extras
-
-
-def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], c_train: np.ndarray) -> list[float]:
-    """Each seed's committed per cost on its own training prompts ÷ static-best-train's there (the action chosen
-    on them): below 1 the learner does not even fit what it was trained on (the observation lacks what it needs),
-    above 1 here but not on the held-out prompts it over-fits."""
-    idx = _unflat(env, int(np.argmin(c_train)))
-    static = summarize(run_requests(env, train_ids, lambda v: env.unwrapped.codec.encode(idx), "index"))
-    return [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
-            / static.committed_per_cost for fp in frozen]  # fmt: skip
-
-
-def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[str, Any]]:
-    """The learned policy with one action dimension frozen at a time (mean over seeds)."""
-    variants: list[tuple[str, dict[int, int]]] = [("all dimensions", {})]
-    if len(grid.widths) > 1:
-        variants.append(("W = 1", {1: grid.widths.index(1) if 1 in grid.widths else 0}))
-    if len(grid.lams) > 1:
-        variants.append(("λ = 0", {2: grid.lams.index(0.0) if 0.0 in grid.lams else 0}))
-    if len(grid.rules) > 1:
-        off = grid.rules.index(("all", 0.0)) if ("all", 0.0) in grid.rules else 0
-        variants.append(("verification rule off", {3: off}))
-    out = []
-    for label, pin in variants:
-        vals = []
-        for fp in frozen:
-            reqs = run_requests(env, test_ids, frozen_runner(fp, env, pin), "index")
-            vals.append(summarize(reqs).committed_per_cost)
-        out.append({"variant": label, "committed_per_cost": float(np.mean(vals))})
-    # K fixed: the static-best-train depth, the rest as the policy chooses
-    k_best = _unflat(env, int(np.argmin(static_costs(env, train_ids))))[0]
-    vals = [summarize(run_requests(env, test_ids, frozen_runner(fp, env, {0: k_best}), "index")).committed_per_cost
-            for fp in frozen]  # fmt: skip
-    out.append({"variant": f"K fixed = {grid.depths[k_best]}", "committed_per_cost": float(np.mean(vals))})
-    return out
 
 
 _MODELS: dict[tuple, Any] = {}

@@ -1,0 +1,99 @@
+"""Running policies on a replay env: episodes, static action costs, the frozen learned policy as an actor, and
+its two diagnostics — the fit on its own training prompts and the one-dimension-frozen ablation.
+
+    rounds = run_requests(env, ids, act, "index")        # [request][round] RoundStats
+    costs  = static_costs(env, ids)                      # [A] total cost of every grid action used statically
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ctrl.metrics import summarize
+from engine.runtime.action_grid import ActionGrid
+
+
+def run_request(env: Any, request: int, act: Callable[[Any], Any], kind: str, reset: Callable[[], None] | None = None):
+    """One episode = one request; `act` takes the Observation ("spec": returns a SpecConfig) or the obs vector
+    ("index": returns grid indices / an env action). Returns the episode's RoundStats."""
+    e = env.unwrapped
+    vec, _ = e.reset(options={"request": request})
+    if reset is not None:
+        reset()
+    done = False
+    while not done:
+        a = act(e.observation()) if kind == "spec" else act(vec)
+        vec, _, term, trunc, _ = e.step(a)
+        done = term or trunc
+    return list(e.rounds)
+
+
+def run_requests(env, requests, act, kind, reset=None) -> list[list[Any]]:
+    """`run_request` of every request, in order."""
+    return [run_request(env, i, act, kind, reset) for i in requests]
+
+
+def static_costs(env: Any, requests: Sequence[int]) -> np.ndarray:
+    """Total cost of every grid action used statically over `requests` [A] (env.oracle.static_returns)."""
+    from env.oracle import static_returns
+
+    total = None
+    for i in requests:
+        _, c = static_returns(env, i)
+        total = c if total is None else total + c
+    return total
+
+
+def unflat(env, a: int) -> tuple[int, ...]:
+    """Grid indices of the flat action `a` of `env`'s codec."""
+    return env.unwrapped.codec.unflat(a)
+
+
+def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
+    """The frozen learned policy as an env actor; `freeze` pins action dimensions (ablation: {dim: index})."""
+
+    def act(vec):
+        idx = list(policy.act_index(vec))
+        for d, i in (freeze or {}).items():
+            idx[d] = i
+        return env.unwrapped.codec.encode(idx)
+
+    return act
+
+
+def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], c_train: np.ndarray) -> list[float]:
+    """Each seed's committed per cost on its own training prompts ÷ static-best-train's there (the action chosen
+    on them): below 1 the learner does not even fit what it was trained on (the observation lacks what it needs),
+    above 1 here but not on the held-out prompts it over-fits."""
+    idx = unflat(env, int(np.argmin(c_train)))
+    static = summarize(run_requests(env, train_ids, lambda v: env.unwrapped.codec.encode(idx), "index"))
+    return [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
+            / static.committed_per_cost for fp in frozen]  # fmt: skip
+
+
+def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[str, Any]]:
+    """The learned policy with one action dimension frozen at a time (mean over seeds)."""
+    variants: list[tuple[str, dict[int, int]]] = [("all dimensions", {})]
+    if len(grid.widths) > 1:
+        variants.append(("W = 1", {1: grid.widths.index(1) if 1 in grid.widths else 0}))
+    if len(grid.lams) > 1:
+        variants.append(("λ = 0", {2: grid.lams.index(0.0) if 0.0 in grid.lams else 0}))
+    if len(grid.rules) > 1:
+        off = grid.rules.index(("all", 0.0)) if ("all", 0.0) in grid.rules else 0
+        variants.append(("verification rule off", {3: off}))
+    out = []
+    for label, pin in variants:
+        vals = []
+        for fp in frozen:
+            reqs = run_requests(env, test_ids, frozen_runner(fp, env, pin), "index")
+            vals.append(summarize(reqs).committed_per_cost)
+        out.append({"variant": label, "committed_per_cost": float(np.mean(vals))})
+    # K fixed: the static-best-train depth, the rest as the policy chooses
+    k_best = unflat(env, int(np.argmin(static_costs(env, train_ids))))[0]
+    vals = [summarize(run_requests(env, test_ids, frozen_runner(fp, env, {0: k_best}), "index")).committed_per_cost
+            for fp in frozen]  # fmt: skip
+    out.append({"variant": f"K fixed = {grid.depths[k_best]}", "committed_per_cost": float(np.mean(vals))})
+    return out
