@@ -24,7 +24,7 @@ import numpy as np
 from ctrl.config import CostSpecConf, MainConf
 from ctrl.metrics import request_speedup, summarize
 from ctrl.policies import make_policy
-from ctrl.rollout import ablation, frozen_runner, run_requests, static_costs, train_fit, unflat
+from ctrl.rollout import ablation, frozen_runner, run_requests, static_costs, static_runner, train_fit, unflat
 from engine.runtime.action_grid import ActionGrid
 from engine.spec.config import SpecConfig
 
@@ -344,10 +344,10 @@ def evaluate(
 
         # static: the best action of the whole grid, chosen on the training prompts and on the test prompts
         c_train, c_test = static_costs(env, train_ids), static_costs(env, test_ids)
-        for label, costs in (("static-best-train", c_train), ("static-best-test", c_test)):
-            idx = unflat(env, int(np.argmin(costs)))
+        best_train, best_test = unflat(env, int(np.argmin(c_train))), unflat(env, int(np.argmin(c_test)))
+        for label, idx in (("static-best-train", best_train), ("static-best-test", best_test)):
             spec = grid.spec(idx)
-            add(label, run_requests(env, test_ids, lambda v, idx=idx, e=env: e.unwrapped.codec.encode(idx), "index"),
+            add(label, run_requests(env, test_ids, static_runner(env, idx), "index"),
                 action=f"K={spec.depth} W={spec.width} rule={spec.verify_rule}:{spec.verify_threshold:g}")  # fmt: skip
             extras["static"][f"{name}/{label}"] = list(idx)
         add("target-only", run_requests(env, test_ids, lambda obs: SpecConfig(depth=0, width=1), "spec"))
@@ -387,9 +387,9 @@ def evaluate(
                 (r["committed_per_cost"] - base["committed_per_cost"]) / gap if gap > 0 else float("nan")
                 for r in seed_rows
             ]
-            extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, c_train)
+            extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, best_train)
             if conf.ablation:
-                extras["ablation"].setdefault(learner, {})[name] = ablation(env, train_ids, test_ids, fps, grid)
+                extras["ablation"].setdefault(learner, {})[name] = ablation(env, test_ids, fps, grid, best_train[0])
         if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
             rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
                               next(iter(frozen.values()), [])[:1], env, calibration, acceptance)  # fmt: skip
@@ -426,7 +426,7 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     out = []
     idx = tuple(static[f"{workload}/static-best-train"])
     actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)))] if grid.depths[0] == 0 else []
-    actors.append(("static-best-train", lambda v: env.codec.encode(idx)))
+    actors.append(("static-best-train", static_runner(env, idx)))
     if frozen:
         actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env)))
     for label, act in actors:

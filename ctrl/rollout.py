@@ -52,6 +52,12 @@ def unflat(env, a: int) -> tuple[int, ...]:
     return env.unwrapped.codec.unflat(a)
 
 
+def static_runner(env: Any, idx: Sequence[int]) -> Callable[[Any], Any]:
+    """The static grid action `idx` (grid indices) as an env actor."""
+    codec = env.unwrapped.codec
+    return lambda vec: codec.encode(idx)
+
+
 def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
     """The frozen learned policy as an env actor; `freeze` pins action dimensions (ablation: {dim: index})."""
 
@@ -64,18 +70,18 @@ def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
     return act
 
 
-def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], c_train: np.ndarray) -> list[float]:
-    """Each seed's committed per cost on its own training prompts ÷ static-best-train's there (the action chosen
-    on them): below 1 the learner does not even fit what it was trained on (the observation lacks what it needs),
-    above 1 here but not on the held-out prompts it over-fits."""
-    idx = unflat(env, int(np.argmin(c_train)))
-    static = summarize(run_requests(env, train_ids, lambda v: env.unwrapped.codec.encode(idx), "index"))
+def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], best_train: Sequence[int]) -> list[float]:
+    """Each seed's committed per cost on its own training prompts ÷ static-best-train's there (`best_train`, the
+    grid indices of the action chosen on them): below 1 the learner does not even fit what it was trained on (the
+    observation lacks what it needs), above 1 here but not on the held-out prompts it over-fits."""
+    static = summarize(run_requests(env, train_ids, static_runner(env, best_train), "index"))
     return [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
             / static.committed_per_cost for fp in frozen]  # fmt: skip
 
 
-def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[str, Any]]:
-    """The learned policy with one action dimension frozen at a time (mean over seeds)."""
+def ablation(env, test_ids, frozen, grid: ActionGrid, k_best: int) -> list[dict[str, Any]]:
+    """The learned policy with one action dimension frozen at a time (mean over seeds); `k_best`: the depth index
+    of static-best-train, the "K fixed" variant's."""
     variants: list[tuple[str, dict[int, int]]] = [("all dimensions", {})]
     if len(grid.widths) > 1:
         variants.append(("W = 1", {1: grid.widths.index(1) if 1 in grid.widths else 0}))
@@ -92,7 +98,6 @@ def ablation(env, train_ids, test_ids, frozen, grid: ActionGrid) -> list[dict[st
             vals.append(summarize(reqs).committed_per_cost)
         out.append({"variant": label, "committed_per_cost": float(np.mean(vals))})
     # K fixed: the static-best-train depth, the rest as the policy chooses
-    k_best = unflat(env, int(np.argmin(static_costs(env, train_ids))))[0]
     vals = [summarize(run_requests(env, test_ids, frozen_runner(fp, env, {0: k_best}), "index")).committed_per_cost
             for fp in frozen]  # fmt: skip
     out.append({"variant": f"K fixed = {grid.depths[k_best]}", "committed_per_cost": float(np.mean(vals))})
