@@ -105,7 +105,7 @@ def run(conf: MainConf, out_dir: Path) -> dict:
             dst = out_dir / "policies" / cost.name / Path(src).parent.name / Path(src).name
             if not dst.exists():  # keep the frozen policies next to the report
                 shutil.copytree(src, dst)
-    sections = [report_extras(extras)]
+    sections = [headroom_bounds(rows, extras), report_extras(extras)]
     md = markdown_report(rows, {c.name: boundary(c, conf) for c in conf.costs}, sections)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=2, default=float))
     (out_dir / "extras.json").write_text(json.dumps(extras, indent=2, default=float))
@@ -113,6 +113,34 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     summary = {"rows": rows, "extras": extras, "policies": policies, "seconds": time.perf_counter() - t0,
                "record_seconds": t_record, "out_dir": str(out_dir)}  # fmt: skip
     return summary
+
+
+def headroom_bounds(rows: list[dict], extras: dict) -> str:
+    """Where the oracle's headroom lies: hindsight schedules that may change their action once per request, per
+    32 / 16 / 8 / 4 tokens, and every round (the oracle), each ÷ static-best-test, next to the learners."""
+    spans = list(dict.fromkeys(k for x in extras.values() for h in x.get("hindsight", {}).values() for k in h))
+    spans = [k for k in spans if k != "request"]
+    lines = ["## Where the oracle's headroom lies (replay, held-out prompts)", "",
+             "Committed per cost ÷ static-best-test's of the best schedule in hindsight that may change its grid "
+             "action once per request (the request-level bound: no policy holding one action per request, whatever "
+             "it knows about the request, does better), once per S tokens (the first round starting in each span "
+             "of S tokens chooses; env.oracle.span_cost), and every round (the oracle). A policy that changes its "
+             "action at most once per S tokens wins at most the column of S; more needs per-round information.", "",
+             "| cost model | workload | per request | " + " | ".join(f"per {s} tokens" for s in spans)
+             + " | every round (oracle) | learned (mean over seeds) |",
+             "|---|---|" + "---:|" * (len(spans) + 2) + "---|"]  # fmt: skip
+    cpc = {(r["cost_model"], r["workload"], r["policy"]): r["committed_per_cost"] for r in rows
+           if r["backend"] == "replay"}  # fmt: skip
+    for cost, x in extras.items():
+        for wl, h in x.get("hindsight", {}).items():
+            base, oracle = cpc.get((cost, wl, "static-best-test")), cpc.get((cost, wl, "oracle"))
+            if not base or oracle is None:
+                continue
+            seen = [p for p in x.get("headroom", {}) if (cost, wl, p) in cpc]
+            learned = ", ".join(f"{p} {cpc[cost, wl, p] / base:.3f}" for p in seen)
+            cells = " | ".join(f"{h[s]:.3f}" if s in h else "–" for s in spans)
+            lines.append(f"| {cost} | {wl} | {h['request']:.3f} | {cells} | {oracle / base:.3f} | {learned or '–'} |")
+    return "\n".join(lines) + "\n"
 
 
 def report_extras(extras: dict) -> str:

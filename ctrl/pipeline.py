@@ -24,7 +24,19 @@ import numpy as np
 from ctrl.config import CostSpecConf, MainConf
 from ctrl.metrics import request_speedup, summarize
 from ctrl.policies import make_policy
-from ctrl.rollout import ablation, frozen_runner, run_requests, static_costs, static_runner, train_fit, unflat
+from ctrl.rollout import (
+    SPANS,
+    ablation,
+    frozen_runner,
+    request_level_bound,
+    run_requests,
+    span_bounds,
+    static_costs,
+    static_costs_by_request,
+    static_runner,
+    train_fit,
+    unflat,
+)
 from engine.runtime.action_grid import ActionGrid
 from engine.spec.config import SpecConfig
 
@@ -319,7 +331,8 @@ def evaluate(
     grid = grid_of(conf)
     rows: list[dict[str, Any]] = []
     plots: dict[str, dict[str, Any]] = {}
-    extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}, "train_fit": {}}
+    extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}, "train_fit": {},
+                              "hindsight": {}}  # fmt: skip
     frozen = {learner: [load_frozen_policy(p) for p in paths] for learner, paths in policy_paths.items() if paths}
     tick = on_policy or (lambda name: None)
     trained = cost.policies_from or cost.name  # the cost model the learned policies were trained under
@@ -343,7 +356,10 @@ def evaluate(
             tick(policy)
 
         # static: the best action of the whole grid, chosen on the training prompts and on the test prompts
-        c_train, c_test = static_costs(env, train_ids), static_costs(env, test_ids)
+        c_train, c_by_request = static_costs(env, train_ids), static_costs_by_request(env, test_ids)
+        c_test = c_by_request.sum(0)
+        extras["hindsight"][name] = {"request": request_level_bound(c_by_request),
+                                     **span_bounds(env, test_ids, SPANS, float(c_test.min()))}  # fmt: skip
         best_train, best_test = unflat(env, int(np.argmin(c_train))), unflat(env, int(np.argmin(c_test)))
         for label, idx in (("static-best-train", best_train), ("static-best-test", best_test)):
             spec = grid.spec(idx)

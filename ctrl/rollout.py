@@ -3,6 +3,8 @@ its two diagnostics — the fit on its own training prompts and the one-dimensio
 
     rounds = run_requests(env, ids, act, "index")        # [request][round] RoundStats
     costs  = static_costs(env, ids)                      # [A] total cost of every grid action used statically
+    bound  = request_level_bound(static_costs_by_request(env, ids))   # best action per request in hindsight
+    spans  = span_bounds(env, ids, (16, 8), costs.min())  # best action per 16 / 8 tokens in hindsight
 """
 
 from __future__ import annotations
@@ -36,15 +38,26 @@ def run_requests(env, requests, act, kind, reset=None) -> list[list[Any]]:
     return [run_request(env, i, act, kind, reset) for i in requests]
 
 
-def static_costs(env: Any, requests: Sequence[int]) -> np.ndarray:
-    """Total cost of every grid action used statically over `requests` [A] (env.oracle.static_returns)."""
+def static_costs_by_request(env: Any, requests: Sequence[int]) -> np.ndarray:
+    """Cost of every grid action used statically on each of `requests` [R, A] (env.oracle.static_returns)."""
     from env.oracle import static_returns
 
-    total = None
-    for i in requests:
-        _, c = static_returns(env, i)
-        total = c if total is None else total + c
-    return total
+    return np.stack([static_returns(env, i)[1] for i in requests])
+
+
+def static_costs(env: Any, requests: Sequence[int]) -> np.ndarray:
+    """Total cost of every grid action used statically over `requests` [A]."""
+    return static_costs_by_request(env, requests).sum(0)
+
+
+def request_level_bound(costs: np.ndarray) -> float:
+    """Committed per cost of the best static action *per request*, chosen in hindsight, ÷ that of the best one
+    action for all (static-best on the same requests); `costs` [R, A] from `static_costs_by_request`.
+
+    Every action commits the same tokens in replay, so this bounds any policy that holds one action per request,
+    whatever it knows about the request (its workload, its acceptance rate, its future): what adapting per request
+    can win at most. The rest of the oracle's headroom needs decisions that change within a request."""
+    return float(costs.sum(0).min() / costs.min(1).sum())
 
 
 def unflat(env, a: int) -> tuple[int, ...]:
@@ -102,3 +115,17 @@ def ablation(env, test_ids, frozen, grid: ActionGrid, k_best: int) -> list[dict[
             for fp in frozen]  # fmt: skip
     out.append({"variant": f"K fixed = {grid.depths[k_best]}", "committed_per_cost": float(np.mean(vals))})
     return out
+
+
+SPANS = (32, 16, 8, 4)  # tokens: the time scales at which the report splits the oracle's headroom
+
+
+def span_bounds(env: Any, requests: Sequence[int], spans: Sequence[int], static_best: float) -> dict[str, float]:
+    """{str(span): committed per cost ÷ static-best's} of the hindsight schedule that may change its action only
+    once per `span` tokens (env.oracle.span_cost), over `requests`; `static_best`: the best one action's total cost
+    on them. Empty under a stateful cost (the spans would be priced on its stateless proxy)."""
+    from env.oracle import span_cost
+
+    if env.unwrapped.cost_model.stateful:
+        return {}
+    return {str(s): float(static_best / sum(span_cost(env, i, s) for i in requests)) for s in spans}

@@ -77,6 +77,36 @@ def plan(env: Any, request: int, objective: str = "return") -> OraclePlan:
     return OraclePlan(request=request, objective=objective, value=value, action=action, committed=committed)
 
 
+def span_cost(env: Any, request: int, span: int) -> float:
+    """Least total cost of `request` when the action may change only at the first round that starts in a new span
+    of `span` tokens (positions [s·span, (s+1)·span)), chosen in hindsight: span 1 is the oracle's least cost
+    (`plan(..., "cost")`), span >= T the best static action of this request (`static_returns`). A DP over the
+    decision positions; stateless costs only (the tables' costs; under a stateful one they are its proxy).
+
+        best[t] = min_a  Σ_{rounds of a from t while in t's span} T_spec + best[first round start past it]"""
+    if span < 1:
+        raise ValueError(f"span must be >= 1 token, got {span}")
+    tables = env.unwrapped.tables
+    positions = env.unwrapped.trace.positions_of(request)
+    p0, T = positions.start, len(positions)
+    committed = tables.committed_pa[p0 : p0 + T].astype(np.int64)  # [T, A]
+    cost = tables.cost[p0 : p0 + T]  # [T, A]
+    cols = np.arange(committed.shape[1])
+    best = np.zeros(T + 1)
+    for t in range(T - 1, -1, -1):
+        end = (t // span + 1) * span  # the action is held through every round starting before `end`
+        at = np.full(len(cols), t)
+        total = np.zeros(len(cols))
+        live = np.ones(len(cols), dtype=bool)
+        while live.any():
+            c = cols[live]
+            total[live] += cost[at[live], c]
+            at[live] += committed[at[live], c]
+            live &= (at < end) & (at < T)
+        best[t] = float(np.min(total + best[np.minimum(at, T)]))
+    return float(best[0])
+
+
 def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
     """(episode return [A], total cost [A]) of every static grid action on `request` (vectorised)."""
     tables = env.unwrapped.tables

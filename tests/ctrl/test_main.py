@@ -58,11 +58,17 @@ def test_main_job_smoke_writes_results_report_and_plots(smoke_run):
         assert np.isfinite(r["committed_per_cost"]) and r["committed_per_cost"] > 0
     report = (run / "report.md").read_text()
     assert "## Exact methods" in report and "static-best-train" in report and "share of the oracle" in report
-    assert "fit on the training prompts" in report
+    assert "fit on the training prompts" in report and "per 16 tokens" in report
     extras = json.loads((run / "extras.json").read_text())
-    for x in extras.values():  # every learner, workload and seed: its fit on its own training prompts
+    for cost, x in extras.items():  # every learner, workload and seed: its fit on its own training prompts
         fits = [f for per_wl in x["train_fit"].values() for seeds in per_wl.values() for f in seeds]
         assert fits and all(np.isfinite(f) and f > 0 for f in fits)
+        # hindsight schedules: coarser than the oracle, finer than one action for all, finer spans never worse
+        for wl, h in x["hindsight"].items():
+            cpc = {r["policy"]: r["committed_per_cost"] for r in rows if r["workload"] == wl
+                   and r["cost_model"] == cost and r["backend"] == "replay"}  # fmt: skip
+            chain = [1.0, h["request"], h["32"], h["16"], h["8"], h["4"], cpc["oracle"] / cpc["static-best-test"]]
+            assert all(a <= b * (1 + 1e-9) for a, b in zip(chain, chain[1:])), (cost, wl, chain)
     assert list((run / "plots").rglob("policies.png")) and list((run / "policies").rglob("policy.pt"))
     assert "speed-up over target-only decoding" in proc.stdout and "report:" in proc.stdout
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from conftest import SMALL_GRID  # noqa: E402
 
-from env.oracle import HindsightOracle, headroom, plan, static_returns
+from env.oracle import HindsightOracle, headroom, plan, span_cost, static_returns
 from env.replay import ReplayEnv
 
 COSTS = [{"kind": "roofline", "model_spec": "target"}, {"kind": "roofline"}, {"kind": "fitted"}]
@@ -50,6 +52,33 @@ def test_no_policy_beats_the_oracle(greedy_trace, cost):
             if term or trunc:
                 break
         assert total == pytest.approx(rets[a], abs=1e-9)
+
+
+def test_span_cost_spans_the_static_best_to_the_oracle(greedy_trace):
+    """span 1 = the oracle's least cost, a span over the whole request = its best static action; in between a
+    brute force over every per-span schedule of actions (a round starting at t plays the action of span t // span)
+    agrees, and finer spans (divisors) never cost more."""
+    e = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost={"kind": "roofline"}, cache=False)
+    tables, A = e.tables, e.tables.cost.shape[1]
+    for req in range(greedy_trace.num_requests):
+        pos = greedy_trace.positions_of(req)
+        T = len(pos)
+        assert span_cost(e, req, 1) == pytest.approx(plan(e, req, "cost").best, rel=1e-12)
+        assert span_cost(e, req, T) == pytest.approx(static_returns(e, req)[1].min(), rel=1e-12)
+        span = (T + 1) // 2  # two spans: every schedule is A ** 2
+        brute = np.inf
+        for sched in itertools.product(range(A), repeat=2):
+            t, total = 0, 0.0
+            while t < T:
+                a = sched[t // span]
+                total += float(tables.cost[pos.start + t, a])
+                t += int(tables.committed_pa[pos.start + t, a])
+            brute = min(brute, total)
+        assert span_cost(e, req, span) == pytest.approx(brute, rel=1e-12)
+        costs = [span_cost(e, req, s) for s in (1, 2, 4, 8, 16)]
+        assert all(a <= b * (1 + 1e-12) for a, b in zip(costs, costs[1:]))
+    with pytest.raises(ValueError, match="span"):
+        span_cost(e, 0, 0)
 
 
 def test_headroom_report(greedy_trace):
