@@ -1,6 +1,6 @@
 """`python -m ctrl`: the main job — record traces, train a controller, evaluate it against every baseline.
 
-    python -m ctrl                                   # built-in workloads, zoo models, ~10-15 min on 2 cores
+    python -m ctrl                                   # built-in workloads, zoo models, ~3-5 min on 2 cores
     python -m ctrl +experiment=main_smoke            # a minute: tiny budgets (the entry point's smoke test)
     python -m ctrl workloads.prompts=questions.jsonl # + a FastChat JSONL workload
     python -m ctrl wandb.mode=disabled seeds=[0]
@@ -9,12 +9,13 @@
 
 Stages: (1) one trace per workload (train + held-out prompts; cached by content under ~/.cache/expertspec,
 so a second run records nothing); (2) per cost model (roofline H200 × Qwen3-30B-A3B, this machine's measured
-cost), PPO over the training prompts, one frozen policy per seed (cached by what determines it); (3) every
-policy on the held-out prompts: static best (chosen on train / on test), target-only, Cascade, EVICT, UCB,
-DISCO, SGLang adaptive, vLLM table / goodput, PPO, the hindsight oracle; (4) results.json, report.md and
-plots in the run directory (`hydra.run.dir=...`), the headline table printed. With `workers` > 1 the recording
-shares the requests among processes (env.record_pool) and stages (2)–(3) run per cost model side by side
-(ctrl/stages.py); the figures are those of `workers=1` (tested), the measured seconds aside.
+cost), AggreVaTe and PPO over the training prompts, one frozen policy per seed (cached by what determines it);
+(3) every policy on the held-out prompts: static best (chosen on train / on test), target-only, Cascade, EVICT,
+UCB, DISCO, SGLang adaptive, vLLM table / goodput, the learners, the hindsight oracle and the hindsight bounds
+per request / per S tokens; (4) results.json, report.md and plots in the run directory (`hydra.run.dir=...`),
+the headline table printed. With `workers` > 1 the recording shares the requests among processes
+(env.record_pool) and stages (2)–(3) run per cost model side by side (ctrl/stages.py); the figures are those of
+`workers=1` (tested), the measured seconds aside.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from ctrl.config import MainConf
 from ctrl.pipeline import check_conf, record_traces
-from ctrl.report import markdown_report, plot_all
+from ctrl.report import markdown_report, plot_all, plot_headroom
 from ctrl.stages import run_cost_stages
 
 HEADLINE = ("static-best-train", "static-best-test", "cascade", "evict", "sglang-adaptive", "vllm-goodput",
@@ -101,6 +102,7 @@ def run(conf: MainConf, out_dir: Path) -> dict:
         extras[cost.name] = x
         for wl, data in p.items():
             plot_all(data, out_dir / "plots" / cost.name / wl)
+        headroom_plot(rows, cost.name, x, conf.workloads.max_new_tokens, out_dir / "plots" / cost.name / "headroom.png")
         for src in [p for v in learned.values() for p in v] if not cost.policies_from else ():
             dst = out_dir / "policies" / cost.name / Path(src).parent.name / Path(src).name
             if not dst.exists():  # keep the frozen policies next to the report
@@ -113,6 +115,19 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     summary = {"rows": rows, "extras": extras, "policies": policies, "seconds": time.perf_counter() - t0,
                "record_seconds": t_record, "out_dir": str(out_dir)}  # fmt: skip
     return summary
+
+
+def headroom_plot(rows: list[dict], cost: str, x: dict, tokens: int, path: Path) -> None:
+    """plot_headroom for one cost model from its results rows and extras (nothing without hindsight bounds)."""
+    cpc = {(r["workload"], r["policy"]): r["committed_per_cost"] for r in rows
+           if r["cost_model"] == cost and r["backend"] == "replay"}  # fmt: skip
+    hs = {wl: h for wl, h in x.get("hindsight", {}).items() if len(h) > 1 and (wl, "static-best-test") in cpc}
+    if not hs:
+        return
+    base = {wl: cpc[wl, "static-best-test"] for wl in hs}
+    oracle = {wl: cpc[wl, "oracle"] / base[wl] for wl in hs}
+    learned = {p: {wl: cpc[wl, p] / base[wl] for wl in hs if (wl, p) in cpc} for p in x.get("headroom", {})}
+    plot_headroom(hs, learned, oracle, tokens, path)
 
 
 def headroom_bounds(rows: list[dict], extras: dict) -> str:

@@ -104,3 +104,39 @@ def plot_all(per_policy: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+Ratios = dict[str, float]  # workload -> committed per cost ÷ static-best-test's
+
+
+def plot_headroom(hindsight: dict[str, dict[str, float]], learned: dict[str, Ratios], oracle: Ratios, tokens: int,
+                  path: Path) -> Path:  # fmt: skip
+    """The oracle's headroom by time scale for one cost model: per workload, committed per cost ÷ static-best-test's
+    of the hindsight schedule that changes its action once per request (`tokens`), per S tokens, and every round
+    (the oracle), with each learner's ratio as a dashed level. hindsight[wl] = {"request": r, "32": ...};
+    learned[learner][wl] = ratio; oracle[wl] = ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (wl, h) in enumerate(hindsight.items()):
+        spans = sorted((int(k) for k in h if k != "request"), reverse=True)
+        xs = [tokens, *spans, 1]
+        ys = [h["request"], *(h[str(s)] for s in spans), oracle[wl]]
+        ax.plot(xs, ys, marker="o", color=f"C{i}", label=f"{wl}: hindsight")
+        for j, (learner, per_wl) in enumerate(learned.items()):
+            if wl in per_wl:
+                ax.axhline(per_wl[wl], color=f"C{i}", ls=("--", ":", "-.")[j % 3], lw=0.9, label=f"{wl}: {learner}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.invert_xaxis()
+    ax.set(title="the oracle's headroom by time scale (held-out prompts)", xlabel="tokens between action changes "
+           "(left: one per request, right: every round)", ylabel="committed per cost ÷ static-best-test")  # fmt: skip
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

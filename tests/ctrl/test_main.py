@@ -70,6 +70,7 @@ def test_main_job_smoke_writes_results_report_and_plots(smoke_run):
             chain = [1.0, h["request"], h["32"], h["16"], h["8"], h["4"], cpc["oracle"] / cpc["static-best-test"]]
             assert all(a <= b * (1 + 1e-9) for a, b in zip(chain, chain[1:])), (cost, wl, chain)
     assert list((run / "plots").rglob("policies.png")) and list((run / "policies").rglob("policy.pt"))
+    assert len(list((run / "plots").rglob("headroom.png"))) == 2  # one per cost model
     assert "speed-up over target-only decoding" in proc.stdout and "report:" in proc.stdout
 
 
