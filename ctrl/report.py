@@ -130,7 +130,10 @@ def plot_headroom(hindsight: dict[str, dict[str, float]], learned: dict[str, Rat
             if wl in per_wl:
                 ax.axhline(per_wl[wl], color=f"C{i}", ls=("--", ":", "-.")[j % 3], lw=0.9, label=f"{wl}: {learner}")
     ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.1, color="0.5", lw=0.8, ls="--", label="1.10× static-best-test (issue goal)")
     ax.set_xscale("log", base=2)
+    ticks = sorted({tokens, 1, *(int(k) for h in hindsight.values() for k in h if k != "request")}, reverse=True)
+    ax.set_xticks(ticks, [f"{t} (request)" if t == tokens else "every round" if t == 1 else f"{t}" for t in ticks])
     ax.invert_xaxis()
     ax.set(title="the oracle's headroom by time scale (held-out prompts)", xlabel="tokens between action changes "
            "(left: one per request, right: every round)", ylabel="committed per cost ÷ static-best-test")  # fmt: skip
