@@ -53,16 +53,21 @@ class OraclePlan:
         return out
 
 
+def _request_tables(env: Any, request: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(committed [T, A] int64, cost [T, A], T_AR [T]) of `request`'s positions in a ReplayEnv's tables."""
+    tables = env.unwrapped.tables
+    positions = env.unwrapped.trace.positions_of(request)
+    p0, T = positions.start, len(positions)
+    return tables.committed_pa[p0 : p0 + T].astype(np.int64), tables.cost[p0 : p0 + T], tables.ar[p0 : p0 + T]
+
+
 def plan(env: Any, request: int, objective: str = "return") -> OraclePlan:
     """The DP of the module docstring for `request` of a ReplayEnv's trace and grid."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    tables = env.unwrapped.tables
-    positions = env.unwrapped.trace.positions_of(request)
-    p0, T = positions.start, len(positions)
-    committed = tables.committed_pa[p0 : p0 + T].astype(np.int64)  # [T, A]
-    cost = tables.cost[p0 : p0 + T]  # [T, A]
-    reward = committed - cost / tables.ar[p0 : p0 + T, None]
+    committed, cost, ar = _request_tables(env, request)
+    T = len(committed)
+    reward = committed - cost / ar[:, None]
     value = np.zeros(T + 1)
     action = np.zeros(T, dtype=np.int64)
     for t in range(T - 1, -1, -1):
@@ -86,11 +91,8 @@ def span_cost(env: Any, request: int, span: int) -> float:
         best[t] = min_a  Σ_{rounds of a from t while in t's span} T_spec + best[first round start past it]"""
     if span < 1:
         raise ValueError(f"span must be >= 1 token, got {span}")
-    tables = env.unwrapped.tables
-    positions = env.unwrapped.trace.positions_of(request)
-    p0, T = positions.start, len(positions)
-    committed = tables.committed_pa[p0 : p0 + T].astype(np.int64)  # [T, A]
-    cost = tables.cost[p0 : p0 + T]  # [T, A]
+    committed, cost, _ = _request_tables(env, request)
+    T = len(committed)
     cols = np.arange(committed.shape[1])
     best = np.zeros(T + 1)
     for t in range(T - 1, -1, -1):
