@@ -92,20 +92,21 @@ def span_cost(env: Any, request: int, span: int) -> float:
     if span < 1:
         raise ValueError(f"span must be >= 1 token, got {span}")
     committed, cost, _ = _request_tables(env, request)
-    T = len(committed)
-    cols = np.arange(committed.shape[1])
+    T, A = committed.shape
+    # every (start t, action a) at once: the rounds of a from t while they start in t's span -> their cost, the
+    # first round start past the span (each round commits >= 1 token: at most `span` steps)
+    at = np.repeat(np.arange(T)[:, None], A, axis=1)  # [T, A]
+    end = np.minimum((np.arange(T) // span + 1) * span, T)[:, None]  # [T, 1]
+    total = np.zeros((T, A))
+    live = np.ones((T, A), dtype=bool)
+    while live.any():
+        i, j = np.nonzero(live)
+        total[i, j] += cost[at[i, j], j]
+        at[i, j] += committed[at[i, j], j]
+        live &= at < end
     best = np.zeros(T + 1)
     for t in range(T - 1, -1, -1):
-        end = (t // span + 1) * span  # the action is held through every round starting before `end`
-        at = np.full(len(cols), t)
-        total = np.zeros(len(cols))
-        live = np.ones(len(cols), dtype=bool)
-        while live.any():
-            c = cols[live]
-            total[live] += cost[at[live], c]
-            at[live] += committed[at[live], c]
-            live &= (at < end) & (at < T)
-        best[t] = float(np.min(total + best[np.minimum(at, T)]))
+        best[t] = float(np.min(total[t] + best[np.minimum(at[t], T)]))
     return float(best[0])
 
 
