@@ -117,17 +117,30 @@ def run(conf: MainConf, out_dir: Path) -> dict:
     return summary
 
 
-def headroom_plot(rows: list[dict], cost: str, x: dict, tokens: int, path: Path) -> None:
-    """plot_headroom for one cost model from its results rows and extras (nothing without hindsight bounds)."""
+def headroom_ratios(rows: list[dict], cost: str, x: dict) -> dict[str, tuple[dict, float, dict[str, float]]]:
+    """Per workload of one cost model: (its hindsight bounds, the oracle ÷ static-best-test, {learner: its mean over
+    seeds ÷ static-best-test}) from the results rows and that cost model's extras; workloads without both baselines
+    are left out."""
     cpc = {(r["workload"], r["policy"]): r["committed_per_cost"] for r in rows
            if r["cost_model"] == cost and r["backend"] == "replay"}  # fmt: skip
-    hs = {wl: h for wl, h in x.get("hindsight", {}).items() if len(h) > 1 and (wl, "static-best-test") in cpc}
-    if not hs:
+    out = {}
+    for wl, h in x.get("hindsight", {}).items():
+        base, oracle = cpc.get((wl, "static-best-test")), cpc.get((wl, "oracle"))
+        if base and oracle is not None:
+            learned = {p: cpc[wl, p] / base for p in x.get("headroom", {}) if (wl, p) in cpc}
+            out[wl] = (h, oracle / base, learned)
+    return out
+
+
+def headroom_plot(rows: list[dict], cost: str, x: dict, tokens: int, path: Path) -> None:
+    """plot_headroom for one cost model (nothing without span bounds: a stateful cost has the request's only)."""
+    ratios = {wl: r for wl, r in headroom_ratios(rows, cost, x).items() if len(r[0]) > 1}
+    if not ratios:
         return
-    base = {wl: cpc[wl, "static-best-test"] for wl in hs}
-    oracle = {wl: cpc[wl, "oracle"] / base[wl] for wl in hs}
-    learned = {p: {wl: cpc[wl, p] / base[wl] for wl in hs if (wl, p) in cpc} for p in x.get("headroom", {})}
-    plot_headroom(hs, learned, oracle, tokens, path)
+    learners = dict.fromkeys(p for _, _, learned in ratios.values() for p in learned)
+    learned = {p: {wl: r[2][p] for wl, r in ratios.items() if p in r[2]} for p in learners}
+    plot_headroom({wl: r[0] for wl, r in ratios.items()}, learned, {wl: r[1] for wl, r in ratios.items()}, tokens,
+                  path)  # fmt: skip
 
 
 def headroom_bounds(rows: list[dict], extras: dict) -> str:
@@ -144,17 +157,11 @@ def headroom_bounds(rows: list[dict], extras: dict) -> str:
              "| cost model | workload | per request | " + " | ".join(f"per {s} tokens" for s in spans)
              + " | every round (oracle) | learned (mean over seeds) |",
              "|---|---|" + "---:|" * (len(spans) + 2) + "---|"]  # fmt: skip
-    cpc = {(r["cost_model"], r["workload"], r["policy"]): r["committed_per_cost"] for r in rows
-           if r["backend"] == "replay"}  # fmt: skip
     for cost, x in extras.items():
-        for wl, h in x.get("hindsight", {}).items():
-            base, oracle = cpc.get((cost, wl, "static-best-test")), cpc.get((cost, wl, "oracle"))
-            if not base or oracle is None:
-                continue
-            seen = [p for p in x.get("headroom", {}) if (cost, wl, p) in cpc]
-            learned = ", ".join(f"{p} {cpc[cost, wl, p] / base:.3f}" for p in seen)
+        for wl, (h, oracle, learned) in headroom_ratios(rows, cost, x).items():
+            shown = ", ".join(f"{p} {v:.3f}" for p, v in learned.items())
             cells = " | ".join(f"{h[s]:.3f}" if s in h else "–" for s in spans)
-            lines.append(f"| {cost} | {wl} | {h['request']:.3f} | {cells} | {oracle / base:.3f} | {learned or '–'} |")
+            lines.append(f"| {cost} | {wl} | {h['request']:.3f} | {cells} | {oracle:.3f} | {shown or '–'} |")
     return "\n".join(lines) + "\n"
 
 
