@@ -23,6 +23,11 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install --quiet -e ".[test]"
+# a venv that once held transformers >= 5.25 keeps Hugging Face's `kernels`, whose import name is ours
+# (engine/bench/hf_reference.py); nothing of ours needs it
+if python -c "import importlib.metadata as m; m.version('kernels')" 2>/dev/null; then
+  python -m pip uninstall --quiet -y kernels
+fi
 # build the C++ CPU extensions once now (~80 s: kernels/small_m.py, kernels/cpu_decode.py, kernels/tanh_mlp.py), so
 # no later run pays for them; never fatal (their Python twins run without them)
 python -c "from kernels import small_m; print('CPU small-M kernel:', small_m.status())" || true

@@ -13,6 +13,15 @@ sys.path.insert(0, str(Path(__file__).parent / "engine"))
 torch.set_num_threads(1)
 
 
+def pytest_configure(config) -> None:
+    """Stop before any test where transformers (the parity reference) cannot load beside our `kernels` package."""
+    from engine.bench.hf_reference import kernels_conflict
+
+    message = kernels_conflict()
+    if message:
+        raise pytest.UsageError(message)
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """A random qwen2_moe checkpoint saved by transformers itself (hub layout), scaled for sharp logits."""

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from engine.bench.configs import MODES, BenchConfig
 from engine.bench.decode import bench_decode
+from engine.bench.hf_reference import require_transformers
 from engine.cli import quiet_hydra_argv
 
 
@@ -76,8 +77,12 @@ def _print_bound(res: dict) -> None:
 
 
 def _quiet_transformers() -> None:
-    """No transformers warnings or weight-loading bars between our tables (errors still show)."""
-    import transformers
+    """No transformers warnings or weight-loading bars between our tables (errors still show); a clear error first
+    where transformers cannot load beside our `kernels` package."""
+    try:
+        transformers = require_transformers()
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
