@@ -97,7 +97,7 @@ def main(cfg: BenchConfig) -> None:
     if cfg.mode not in MODES:
         raise SystemExit(f"unknown bench mode {cfg.mode!r}; use one of {MODES}")
     torch.set_num_threads(cfg.threads)
-    if cfg.mode in ("decode", "spec"):
+    if cfg.mode in ("decode", "spec", "graphs"):  # the modes that load transformers as their reference
         _quiet_transformers()
     if cfg.mode == "decode":
         bar = tqdm(total=len(cfg.bound.shapes) if cfg.bound.enabled else 0, desc="unseen shapes")
