@@ -72,6 +72,10 @@ def test_main_job_smoke_writes_results_report_and_plots(smoke_run):
     assert list((run / "plots").rglob("policies.png")) and list((run / "policies").rglob("policy.pt"))
     assert len(list((run / "plots").rglob("headroom.png"))) == 2  # one per cost model
     assert "speed-up over target-only decoding" in proc.stdout and "report:" in proc.stdout
+    printed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    exact = {r["policy"] for r in rows if r["exact"] and "-seed" not in r["policy"]} - {"target-only"}
+    assert exact <= printed, exact - printed  # every exact family is in the printed table, DISCO and UCB included
+    assert "÷ static-best-test:" in proc.stdout and "goal ≥ 1.10" in proc.stdout
 
 
 def test_main_job_second_run_reuses_traces_and_policies(smoke_run):
