@@ -9,9 +9,10 @@
 //       softmax(q k^T / sqrt(hd)) v over its cache slots read_slots [B, S] (mask [B, Tq, S] bool: which of them
 //       each query sees; none: all), GQA head g = h / (H / Hkv).
 //   add_rms_norm(h, delta, w, eps) -> (h + delta, rms_norm(h + delta) * w)   (delta optional: rms_norm alone)
-//   moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated) -> [T, D]: T tokens' routed SwiGLU
-//       experts, each read in place (either weight layout, engine.models.layout) once for all its tokens, and the
-//       shared expert from its fused input projection, weighted and summed (MoEBlock.forward after routing).
+//   moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated[, gu_packed, down_packed, shared_down_packed])
+//       -> [T, D]: T tokens' routed SwiGLU experts, each read in place (either weight layout, engine.models.layout;
+//       or its strip-packed copy when given, sweep.h: same bits) once for all its tokens, and the shared expert from
+//       its fused input projection, weighted and summed (MoEBlock.forward after routing).
 //
 // What the torch path (Attention.forward_cached, RMSNorm) computes, in one call instead of ~15 (attention) and ~8
 // (F.rms_norm) ATen ops, each of which costs several microseconds between weight reads that evict the caches.
@@ -250,10 +251,15 @@ constexpr DotsFn kDots[] = {dots<1>, dots<2>, dots<3>, dots<4>, dots<5>, dots<6>
 
 // y[m, :out] = W x[m] (m < rows <= kBlock) for W [out, in] given by its strides: input-major (s_out == 1, memory
 // [in, out] with row stride s_in: the small-M sweep, one read for all rows) or row-major (s_in == 1: `dots`, one read
-// per 8 rows).
+// per 8 rows); or from its strip-packed copy when given (one read for all rows).
 constexpr int64_t kBlock = expertspec::kMaxBlock;  // tokens per read of an expert's weights
 void matvecs(int64_t rows, const float* x, int64_t ldx, const float* W, int64_t out, int64_t in, int64_t s_out,
-             int64_t s_in, float* y, int64_t ldy) {
+             int64_t s_in, float* y, int64_t ldy, const float* packed = nullptr) {
+  if (packed) {  // W's strip-packed copy [ceil(out / S), in, S] (sweep.h): the sweep's bits, read in address order
+    const int64_t strips = (out + expertspec::kStrip - 1) / expertspec::kStrip;
+    expertspec::kStripSweeps[rows - 1](x, ldx, packed, in, out, nullptr, y, ldy, 0, strips);
+    return;
+  }
   if (s_out == 1) {
     expertspec::kSweeps[rows - 1](x, ldx, W, s_in, in, nullptr, y, ldy, 0, out);
     return;
@@ -270,7 +276,9 @@ void check_moe(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_decode.moe_deco
 torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const torch::Tensor& down,
                          const torch::Tensor& ids, const torch::Tensor& weights,
                          const c10::optional<torch::Tensor>& shared_in, const c10::optional<torch::Tensor>& shared_down,
-                         bool shared_gated) {
+                         bool shared_gated, const c10::optional<torch::Tensor>& gu_packed,
+                         const c10::optional<torch::Tensor>& down_packed,
+                         const c10::optional<torch::Tensor>& shared_down_packed) {
   check_moe(x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
             "x [T, D] contiguous fp32");
   const int64_t T = x.size(0), D = x.size(1), E = gu.size(0), F = down.size(2), r = ids.size(1);
@@ -293,6 +301,19 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
                   shared_in->size(1) == 2 * Fs + (shared_gated ? 1 : 0),
               "shared_in [T, 2Fs (+1)]");
   }
+  const int64_t S = expertspec::kStrip;
+  auto packed_of = [&](const c10::optional<torch::Tensor>& p, std::vector<int64_t> lead, int64_t out,
+                       int64_t in) -> const float* {
+    if (!p || !p->defined()) return static_cast<const float*>(nullptr);
+    lead.insert(lead.end(), {(out + S - 1) / S, in, S});
+    check_moe(p->sizes() == c10::IntArrayRef(lead) && p->is_contiguous() && p->scalar_type() == torch::kFloat,
+              "packed weights [..., ceil(out / S), in, S] contiguous fp32 (kernels.small_m.pack)");
+    return p->data_ptr<float>();
+  };
+  const float* gu_p = packed_of(gu_packed, {E}, 2 * F, D);
+  const float* down_p = packed_of(down_packed, {E}, D, F);
+  const float* sd_p = shared_in ? packed_of(shared_down_packed, {}, D, Fs) : nullptr;
+  const int64_t gu_ps = (2 * F + S - 1) / S * S * D, down_ps = (D + S - 1) / S * S * F;  // floats per expert
   const float* xp = x.data_ptr<float>();
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* wt = weights.data_ptr<float>();
@@ -312,9 +333,11 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
     for (size_t b = 0; b < cells[e].size(); b += kBlock) {  // blocks of <= kBlock tokens: one read of the expert each
       const int64_t rows = std::min<int64_t>(kBlock, cells[e].size() - b);
       for (int64_t i = 0; i < rows; ++i) std::copy_n(xp + cells[e][b + i] / r * D, D, xs.data() + i * D);
-      matvecs(rows, xs.data(), D, g, 2 * F, D, gu.stride(1), gu.stride(2), h.data(), H);
+      matvecs(rows, xs.data(), D, g, 2 * F, D, gu.stride(1), gu.stride(2), h.data(), H,
+              gu_p ? gu_p + e * gu_ps : nullptr);
       for (int64_t i = 0; i < rows; ++i) silu_mul(h.data() + i * H, h.data() + i * H + F, h.data() + i * H, F);
-      matvecs(rows, h.data(), H, dn, D, F, down.stride(1), down.stride(2), y.data(), D);
+      matvecs(rows, h.data(), H, dn, D, F, down.stride(1), down.stride(2), y.data(), D,
+              down_p ? down_p + e * down_ps : nullptr);
       for (int64_t i = 0; i < rows; ++i) axpy(wt[cells[e][b + i]], y.data() + i * D, op + cells[e][b + i] / r * D, D);
     }
   }
@@ -325,7 +348,7 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
     for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
       const int64_t rows = std::min<int64_t>(kBlock, T - t0);
       for (int64_t i = 0; i < rows; ++i) silu_mul(si + (t0 + i) * ld, si + (t0 + i) * ld + Fs, h.data() + i * H, Fs);
-      matvecs(rows, h.data(), H, sd, D, Fs, shared_down->stride(0), shared_down->stride(1), y.data(), D);
+      matvecs(rows, h.data(), H, sd, D, Fs, shared_down->stride(0), shared_down->stride(1), y.data(), D, sd_p);
       for (int64_t i = 0; i < rows; ++i) {
         const float gate = shared_gated ? 1.0f / (1.0f + std::exp(-si[(t0 + i) * ld + 2 * Fs])) : 1.0f;
         axpy(gate, y.data() + i * D, op + (t0 + i) * D, D);

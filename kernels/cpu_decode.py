@@ -6,7 +6,7 @@ with the torch ops of `engine.models.transformer.Attention.forward_cached`, `F.r
     out = cpu_decode.attention(proj, cos, sin_signed, q_norm, k_norm, eps, k_cache, v_cache,
                                write_slots, pad_index, read_slots, mask, H, Hkv)    # [n, H*hd]
     h, x = cpu_decode.add_rms_norm(h, delta, weight, eps)               # (h + delta, rms_norm(h + delta) * w)
-    out = cpu_decode.moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated)   # [T, D]
+    out = cpu_decode.moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated, pack=True)   # [T, D]
     weights, ids = cpu_decode.route_softmax(router_logits, r, norm)     # [T, r] fp32, [T, r] int64
 
 Why: at one request and a few tokens, a layer's attention (qk-norm, RoPE, K/V writes, SDPA and its transposes)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import small_m
 from kernels.cpp_build import CppExtension
 
 _EXT = CppExtension("cpu_decode", "EXPERTSPEC_CPU_DECODE", ("-O3",), simd=True)
@@ -85,14 +86,21 @@ def moe_decode(
     shared_in: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
     shared_gated: bool = False,
+    pack: bool = False,
 ) -> torch.Tensor:
     """T tokens x [T, D] (the engine sends T <= MAX_MOE_TOKENS) -> [T, D]:
     Σ_s w_s down_e(silu(gate_e x) * up_e x) over expert_ids [T, r] (-1: contributes 0), w_gate_up [E, 2F, D] and
     w_down [E, D, F] read in place, once per block of <= 16 of the tokens routed to e; plus, when shared_in
     [T, 2Fs (+1)] is given (the shared expert's gate / up projections and, gated, its gate logit),
-    sigmoid(logit) * shared_down [D, Fs] (silu(g) * u). The caller checks `applies(x)`."""
-    return load().moe_decode(x.contiguous(), w_gate_up, w_down, expert_ids.contiguous(),
-                             topk_weights.float().contiguous(), shared_in, shared_down, shared_gated)  # fmt: skip
+    sigmoid(logit) * shared_down [D, Fs] (silu(g) * u). pack: read the weights' strip-packed copies
+    (`kernels.small_m.packed`, cached on the weights; same bits) where there are. The caller checks `applies(x)`."""
+    packs = [None, None, None]
+    if pack:
+        packs = [small_m.packed(w_gate_up), small_m.packed(w_down)]
+        packs.append(small_m.packed(shared_down) if shared_down is not None else None)
+    ids, weights = expert_ids.contiguous(), topk_weights.float().contiguous()
+    return load().moe_decode(x.contiguous(), w_gate_up, w_down, ids, weights, shared_in, shared_down, shared_gated,
+                             *packs)  # fmt: skip
 
 
 def route_softmax(router_logits: torch.Tensor, top_r: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,8 @@ namespace {
 
 using expertspec::kLanes;
 using expertspec::kMaxBlock;
+using expertspec::kStrip;
+using expertspec::kStripSweeps;
 using expertspec::kSweeps;
 using expertspec::SweepFn;
 
@@ -42,6 +44,35 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   return y;
 }
 
+// The same product from the strip-packed weight P [ceil(N / S), K, S] (sweep.h, kernels/small_m.pack): same bits.
+torch::Tensor small_m_linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                    const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && x.size(1) == packed.size(1), "x [M, K] and packed [S', K, S]");
+  TORCH_CHECK(packed.size(2) == kStrip && packed.size(0) == (N + kStrip - 1) / kStrip && packed.is_contiguous(),
+              "packed [ceil(N / S), K, S] contiguous, S = ", kStrip);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxBlock, "1 <= M <= 16 rows");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "bias [N] fp32 contiguous");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const auto fn = kStripSweeps[M - 1];
+  at::parallel_for(0, strips, 16, [&](int64_t s0, int64_t s1) { fn(xp, x.stride(0), pp, K, N, b, yp, N, s0, s1); });
+  return y;
+}
+
+int64_t strip_width() { return kStrip; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear, "y[M, N] = x[M, K] @ wt[K, N] (+ bias), 1 <= M <= 16, fp32");
+  m.def("small_m_linear_packed", &small_m_linear_packed, "the same from the strip-packed weight [ceil(N/S), K, S]");
+  m.def("strip_width", &strip_width, "S, the columns of one strip of a packed weight");
 }

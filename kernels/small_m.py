@@ -10,6 +10,13 @@ M <= 16 rows (kernels/sweep.h) at 19-37 GB/s for one row and 10-33 GB/s for 2-16
 README, issue 12), and keeps y[m, n] = bias[n] + Σ_k x[m, k] · w[n, k] summed over k in order, so a row's bits do
 not depend on how many rows share the call (batch-invariant), and differ from MKL's by ~1e-6 relative (tested).
 
+Strip-packed weights (`pack`, `packed`): a copy of W [N, K] as [ceil(N / S), K, S] (S = 32 columns on AVX-512,
+16 on AVX2), so a pass over one strip reads memory in address order with its outputs in registers (sweep.h's
+diagram). Same bits as the input-major sweep, 1.4-2.2x its read rate on the benchmark shapes (README, issue 12).
+`linear(x, w, b, pack=True)` uses a cached packed copy of w (kept on the tensor, rebuilt when w changes); the copies
+are extra memory, capped at EXPERTSPEC_PACK_MAX_MB (default: a quarter of the machine's memory) — past the cap, and
+with EXPERTSPEC_PACK=0, weights are swept unpacked (same results).
+
 The extension is compiled on first use with `torch.utils.cpp_extension` (~30 s once; cached under
 ~/.cache/torch_extensions) and used on a CPU with AVX-512 or AVX2 + FMA (kernels/simd.h). It is off when
 `EXPERTSPEC_SMALL_M=0`, when no compiler is found, or when the build fails; `status()` says which, and everything
@@ -17,6 +24,9 @@ then runs F.linear.
 """
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +60,72 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b) for x [..., K], w [N, K]: the small-M kernel when `supports` it, else F.linear."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False) -> torch.Tensor:
+    """F.linear(x, w, b) for x [..., K], w [N, K]: the small-M kernel when `supports` it, else F.linear. pack: read
+    w's strip-packed copy (`packed`: built on the first call and kept on w; same bits) when there is one."""
     if x.dim() == 2 and supports(x, w, b):
+        p = packed(w) if pack else None
+        if p is not None:
+            return _state["module"].small_m_linear_packed(x, p, w.shape[0], b)
         return _state["module"].small_m_linear(x, w.t(), b)
     return F.linear(x, w, b)
+
+
+def strip_width() -> int:
+    """S, the columns of one strip of a packed weight (32 with AVX-512, 16 with AVX2; 32 when the kernel is off)."""
+    module = load()
+    return module.strip_width() if module is not None else 32
+
+
+def pack(w: torch.Tensor, strip: int | None = None) -> torch.Tensor:
+    """The strip-packed copy of w [..., N, K] (any strides): [..., ceil(N / S), K, S] contiguous fp32 with
+    P[..., s, k, j] = w[..., s S + j, k] and zeros past N (kernels/sweep.h). The reference of the layout."""
+    S = strip or strip_width()
+    N, K = w.shape[-2:]
+    pad = (-N) % S
+    w = w.detach()
+    if pad:
+        w = torch.cat([w, w.new_zeros(*w.shape[:-2], pad, K)], dim=-2)
+    return w.reshape(*w.shape[:-2], -1, S, K).transpose(-1, -2).contiguous()
+
+
+_packs = {"bytes": 0, "cap": None}  # bytes of live packed copies, and the cap (EXPERTSPEC_PACK_MAX_MB)
+
+
+def _cap_bytes() -> int:
+    if _packs["cap"] is None:
+        mb = os.environ.get("EXPERTSPEC_PACK_MAX_MB")
+        if mb is not None:
+            _packs["cap"] = int(float(mb) * 2**20)
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+            _packs["cap"] = total // 4 if total > 0 else 2**30
+    return _packs["cap"]
+
+
+def _release(nbytes: int) -> None:
+    _packs["bytes"] -= nbytes
+
+
+def packed(w: torch.Tensor) -> torch.Tensor | None:
+    """w's strip-packed copy (`pack`), cached on w and rebuilt when w's storage or in-place version changes; None
+    when packing is off (EXPERTSPEC_PACK=0, no kernel, not CPU fp32) or the copy would pass the memory cap."""
+    if os.environ.get("EXPERTSPEC_PACK", "1") == "0" or w.device.type != "cpu" or w.dtype != torch.float32:
+        return None
+    version = -1 if w.is_inference() else w._version  # inference tensors (fused caches) carry no version counter
+    key = (w.data_ptr(), version, tuple(w.shape), tuple(w.stride()))
+    cached = w.__dict__.get("_expertspec_packed")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if load() is None:
+        return None
+    S = strip_width()
+    nbytes = -(-w.shape[-2] // S) * S * w.shape[-1] * w[..., :1, :1].numel() * 4
+    if _packs["bytes"] + nbytes > _cap_bytes():  # refused for good while w is unchanged: its bits never switch
+        w.__dict__["_expertspec_packed"] = (key, None)
+        return None
+    p = pack(w, S)
+    _packs["bytes"] += nbytes
+    weakref.finalize(p, _release, nbytes)
+    w.__dict__["_expertspec_packed"] = (key, p)
+    return p

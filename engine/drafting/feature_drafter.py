@@ -180,7 +180,7 @@ class EagleDrafter:
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """Head outputs [n, D] -> draft logits [n, V] (float32), the target's LM head as its forward reads it."""
-        return linear(self.head.readout(out), self.target.lm_head.weight).float()
+        return linear(self.head.readout(out), self.target.lm_head.weight, pack=True).float()
 
     def catch_up(self, seq_ids: list[int]) -> list[torch.Tensor | None]:
         """Feed every queued (feature, token) pair of these sequences (one packed forward, causal chunk

@@ -108,7 +108,7 @@ class GptOssAttention(nn.Module):
             near = (q_pos[:, :, None] - kv.positions[batch.read_slots][:, None, :]) < self.window  # [B, Tq, S]
             mask = near if mask is None else mask & near
         out = sink_attention(pad_queries(q, batch), keys, values, mask, self.sinks, self.scale)  # [B, Tq, H*hd]
-        return linear(unpad_queries(out, batch), self.o_proj.weight, self.o_proj.bias)
+        return linear(unpad_queries(out, batch), self.o_proj.weight, self.o_proj.bias, pack=True)
 
 
 # ---------------------------------------------------------------------------------------------- experts

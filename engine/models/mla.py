@@ -105,4 +105,4 @@ class MLAttention(nn.Module):
         )  # [B, H, Tq, r]
         o_lat = unpad_queries(o_lat.transpose(1, 2), batch)  # [N, H, r]
         out = torch.einsum("nhr,hvr->nhv", o_lat, w[:, dn:])  # [N, H, dv]
-        return linear(out.reshape(N, H * dv), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(N, H * dv), self.o_proj.weight, self.o_proj.bias, pack=True)

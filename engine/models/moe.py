@@ -71,7 +71,7 @@ class DenseMLP(nn.Module):
         if torch.is_grad_enabled() or self.gate_proj.bias is not None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # inference: gate and up projections in one matmul
-        h = linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]))
+        h = linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]), pack=True)
         inter = self.gate_proj.weight.shape[0]
         return F.linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight)
 
@@ -189,7 +189,7 @@ class MoEBlock(nn.Module):
             if torch.is_grad_enabled():
                 router_logits, topk_weights, expert_ids = self.route(x, None, expert_budget)
             else:  # inference: router and shared-expert input projections in one matmul
-                proj = linear(x, self._fused_input())
+                proj = linear(x, self._fused_input(), pack=True)
                 E = self.num_experts
                 router_logits, shared_in = proj[:, :E], proj[:, E:]
                 router_logits, topk_weights, expert_ids = self.route(x, router_logits, expert_budget)
@@ -197,8 +197,9 @@ class MoEBlock(nn.Module):
             with maybe_phase(timer, "experts"):
                 se = self.shared_expert
                 shared = (shared_in, se.down_proj.weight) if se is not None else (None, None)
+                gated = self.shared_expert_gate is not None
                 out = cpu_decode.moe_decode(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids,
-                                            topk_weights, *shared, self.shared_expert_gate is not None)  # fmt: skip
+                                            topk_weights, *shared, gated, pack=True)  # fmt: skip
             with maybe_phase(timer, "combine"):  # fused into "experts" above: an empty phase, kept for the profile
                 pass
             return self._record(record, layer, expert_ids, topk_weights, router_logits, out)

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w, b = self._fused_qkv()
-        proj = linear(x, w, b)  # [N, (H + 2Hkv) hd]
+        proj = linear(x, w, b, pack=True)  # [N, (H + 2Hkv) hd]
         if cfg.qk_norm == "none" and cfg.clip_qkv is None:
             heads = proj.view(x.shape[0], H + 2 * Hkv, hd)
             qk = apply_rope_signed(heads[:, : H + Hkv], cos, sin_signed)
@@ -180,10 +180,10 @@ class Attention(nn.Module):
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             mask = None if batch.attn_mask is None else batch.attn_mask.contiguous()
-            out = cpu_decode.attention(linear(x, w, b), cos, sin, qn, kn, eps, kv.k[layer], kv.v[layer],
+            out = cpu_decode.attention(linear(x, w, b, pack=True), cos, sin, qn, kn, eps, kv.k[layer], kv.v[layer],
                                        batch.write_slots, batch.pad_index.contiguous(), batch.read_slots.contiguous(),
                                        mask, self.cfg.num_heads, self.cfg.num_kv_heads)  # fmt: skip
-            return linear(out, self.o_proj.weight, self.o_proj.bias)
+            return linear(out, self.o_proj.weight, self.o_proj.bias, pack=True)
         q, k, v = self.qkv_inference(x, cos, sin)  # [N, H, hd], [N, Hkv, hd]
         kv.write(layer, batch.write_slots, k, v)
         keys, values = kv.read(layer, batch.read_slots, batch.read_start)  # [B, S, Hkv, hd]
@@ -197,7 +197,7 @@ class Attention(nn.Module):
             out = out.reshape(B * Tq, -1)[unpad_index(batch)]
         else:
             out = out[0]
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+        return linear(out, self.o_proj.weight, self.o_proj.bias, pack=True)
 
 
 class DecoderLayer(nn.Module):
@@ -356,7 +356,7 @@ class Model(nn.Module):
             delta = layer.mlp_forward(x, record, None, timer, expert_budget, fused=True)
         with maybe_phase(timer, "lm_head"):
             h, hidden = add_norm(self.model.norm, h, delta)
-            logits = linear(hidden, self.lm_head.weight)
+            logits = linear(hidden, self.lm_head.weight, pack=True)
         captured[len(self.model.layers)] = h
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h, features=features)

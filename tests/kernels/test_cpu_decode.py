@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import engine
 from engine.models.kv_cache import PagedKVCache
 from engine.models.layers import RMSNorm, add_norm, sign_sin
+from engine.models.layout import input_major
 from engine.models.transformer import Attention, ForwardBatch, rope_cos_sin
 from engine.paths import zoo_path
 from kernels import cpu_decode
@@ -238,3 +239,24 @@ def test_block_routing_with_and_without_the_fused_call():
             ref = block.route(x)
     assert torch.equal(got[2], ref[2])
     torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 32])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_packed_weights(T, shared):
+    """moe_decode from the strip-packed copies: the in-place sweep's bits for input-major weights, and the row-major
+    weights' dot products to ~1e-6 (a different summation order)."""
+    g = torch.Generator().manual_seed(T + 100 * shared)
+    E, D, F_, Fs, r = 6, 40, 24, 20, 2
+    gu, dn = torch.randn(E, 2 * F_, D, generator=g), torch.randn(E, D, F_, generator=g)
+    x, w = torch.randn(T, D, generator=g), torch.rand(T, r, generator=g)
+    ids = torch.randint(0, E, (T, r), generator=g)
+    ids[0, 0] = -1
+    sh = (torch.randn(T, 2 * Fs + 1, generator=g), torch.randn(D, Fs, generator=g), True) if shared else ()
+    for layout in (input_major, lambda t: t.contiguous()):
+        args = (x, layout(gu), layout(dn), ids, w) + ((sh[0], layout(sh[1]), True) if shared else ())
+        plain, packed = cpu_decode.moe_decode(*args), cpu_decode.moe_decode(*args, pack=True)
+        if layout is input_major:
+            assert torch.equal(packed, plain)
+        else:
+            torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))

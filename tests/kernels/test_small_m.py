@@ -142,3 +142,63 @@ def test_simd_extensions_build_for_the_cpus_vector_set(monkeypatch, cap, flags, 
         assert ext.load() is None and "cflags" not in seen
     else:
         assert seen["cflags"][0] == "-O3" and seen["cflags"][-2:] == flags
+
+
+@contextlib.contextmanager
+def packing_off():
+    """Every `linear(..., pack=True)` and `cpu_decode.moe_decode(..., pack=True)` sweeps the weights unpacked."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EXPERTSPEC_PACK", "0")
+        yield
+
+
+@pytest.mark.parametrize("S", [16, 32])
+def test_pack_layout(S):
+    """P[..., s, k, j] = w[..., s S + j, k], zeros past N, for any strides and leading dims."""
+    w = torch.randn(3, 37, 5)  # [E, N, K]
+    for src in (w, input_major(w)):
+        p = small_m.pack(src, S)
+        assert p.shape == (3, -(-37 // S), 5, S) and p.is_contiguous()
+        for s in range(p.shape[1]):
+            for j in range(S):
+                n = s * S + j
+                assert torch.equal(p[:, s, :, j], w[:, n] if n < 37 else torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 16])
+@pytest.mark.parametrize("N, K", [(2, 5), (16, 32), (17, 33), (33, 1), (100, 64), (1029, 256), (2065, 40)])
+def test_packed_equals_the_sweep_bit_for_bit(M, N, K):
+    """The strip-packed weight gives the input-major sweep's bits (same FMA chain per output), batch-invariantly."""
+    g = torch.Generator().manual_seed(7 * M + N + K)
+    w = input_major(torch.randn(N, K, generator=g))
+    x, b = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    for bias in (None, b):
+        assert small_m.supports(x, w, bias)
+        y = small_m.linear(x, w, bias, pack=True)
+        assert small_m.packed(w) is not None
+        assert torch.equal(y, small_m.linear(x, w, bias))
+        for m in range(M):
+            assert torch.equal(small_m.linear(x[[m]], w, bias, pack=True)[0], y[m])
+
+
+def test_packed_copy_follows_the_weight_and_its_cap(monkeypatch):
+    w = input_major(torch.randn(40, 24))
+    x = torch.randn(3, 24)
+    p = small_m.packed(w)
+    assert p is not None and small_m.packed(w) is p  # cached on the weight
+    with torch.no_grad():
+        w.mul_(2.0)  # in place: the copy is rebuilt, never stale
+    assert small_m.packed(w) is not p
+    assert torch.equal(small_m.linear(x, w, pack=True), small_m.linear(x, w))
+    with packing_off():
+        assert small_m.packed(input_major(torch.randn(40, 24))) is None
+    monkeypatch.setitem(small_m._packs, "cap", small_m._packs["bytes"])  # no room left for another copy
+    fresh = input_major(torch.randn(40, 24))
+    assert small_m.packed(fresh) is None
+    monkeypatch.setitem(small_m._packs, "cap", 2**40)
+    assert small_m.packed(fresh) is None  # refused for good while unchanged: its bits never switch mid-run
+    assert torch.equal(small_m.linear(x, fresh, pack=True), small_m.linear(x, fresh))
+
+
+def test_engine_logits_and_greedy_tokens_with_and_without_packing(same_engine_output_on_and_off):
+    same_engine_output_on_and_off(packing_off)
