@@ -89,7 +89,8 @@ def pack(w: torch.Tensor, strip: int | None = None) -> torch.Tensor:
     return w.reshape(*w.shape[:-2], -1, S, K).transpose(-1, -2).contiguous()
 
 
-_packs = {"bytes": 0, "cap": None}  # bytes of live packed copies, and the cap (EXPERTSPEC_PACK_MAX_MB)
+# bytes of live packed copies, their cap (EXPERTSPEC_PACK_MAX_MB, read on first use) and the switch (EXPERTSPEC_PACK)
+_packs = {"bytes": 0, "cap": None, "on": os.environ.get("EXPERTSPEC_PACK", "1") != "0"}
 
 
 def _cap_bytes() -> int:
@@ -108,16 +109,16 @@ def _release(nbytes: int) -> None:
 
 
 def packed(w: torch.Tensor) -> torch.Tensor | None:
-    """w's strip-packed copy (`pack`), cached on w and rebuilt when w's storage or in-place version changes; None
-    when packing is off (EXPERTSPEC_PACK=0, no kernel, not CPU fp32) or the copy would pass the memory cap."""
-    if os.environ.get("EXPERTSPEC_PACK", "1") == "0" or w.device.type != "cpu" or w.dtype != torch.float32:
+    """w's strip-packed copy (`pack`), cached on w and rebuilt when w's storage, in-place version, shape or strides
+    change; None when packing is off (EXPERTSPEC_PACK=0, no kernel, not CPU fp32) or the copy would pass the cap."""
+    if not _packs["on"]:
         return None
-    version = -1 if w.is_inference() else w._version  # inference tensors (fused caches) carry no version counter
-    key = (w.data_ptr(), version, tuple(w.shape), tuple(w.stride()))
+    # inference tensors (the fused caches) carry no version counter; they are rebuilt, never written in place
+    key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.shape, w.stride())
     cached = w.__dict__.get("_expertspec_packed")
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == key:  # the hot path: one forward asks ~6 times per layer
         return cached[1]
-    if load() is None:
+    if w.device.type != "cpu" or w.dtype != torch.float32 or load() is None:
         return None
     S = strip_width()
     nbytes = -(-w.shape[-2] // S) * S * w.shape[-1] * w[..., :1, :1].numel() * 4

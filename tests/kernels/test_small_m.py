@@ -148,7 +148,7 @@ def test_simd_extensions_build_for_the_cpus_vector_set(monkeypatch, cap, flags, 
 def packing_off():
     """Every `linear(..., pack=True)` and `cpu_decode.moe_decode(..., pack=True)` sweeps the weights unpacked."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EXPERTSPEC_PACK", "0")
+        mp.setitem(small_m._packs, "on", False)  # what EXPERTSPEC_PACK=0 sets at import
         yield
 
 
