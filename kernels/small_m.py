@@ -15,7 +15,8 @@ Strip-packed weights (`pack`, `packed`): a copy of W [N, K] as [ceil(N / S), K, 
 diagram). Same bits as the input-major sweep, 1.4-2.2x its read rate on the benchmark shapes (README, issue 12).
 `linear(x, w, b, pack=True)` uses a cached packed copy of w (kept on the tensor, rebuilt when w changes); the copies
 are extra memory, capped at EXPERTSPEC_PACK_MAX_MB (default: a quarter of the machine's memory) — past the cap, and
-with EXPERTSPEC_PACK=0, weights are swept unpacked (same results).
+with packing off, weights are swept unpacked (same results). On by default with the AVX-512 build only
+(`packing_default`; EXPERTSPEC_PACK=1 / 0 forces it).
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (~30 s once; cached under
 ~/.cache/torch_extensions) and used on a CPU with AVX-512 or AVX2 + FMA (kernels/simd.h). It is off when
@@ -89,8 +90,18 @@ def pack(w: torch.Tensor, strip: int | None = None) -> torch.Tensor:
     return w.reshape(*w.shape[:-2], -1, S, K).transpose(-1, -2).contiguous()
 
 
-# bytes of live packed copies, their cap (EXPERTSPEC_PACK_MAX_MB, read on first use) and the switch (EXPERTSPEC_PACK)
-_packs = {"bytes": 0, "cap": None, "on": os.environ.get("EXPERTSPEC_PACK", "1") != "0"}
+# bytes of live packed copies, their cap (EXPERTSPEC_PACK_MAX_MB) and the switch (`packing_default`), set on first use
+_packs = {"bytes": 0, "cap": None, "on": None}
+
+
+def packing_default() -> bool:
+    """EXPERTSPEC_PACK=1 / 0 force packing on / off; unset, it is on with the AVX-512 build only. AVX2's strips hold
+    16 columns (two 8-lane vectors), and on the AVX2 build the forward gained 0.95-1.2x (h256 / h512 on Zen 4,
+    README) — not worth the memory of the copies; AVX-512's 32-column strips gain 1.2-1.8x."""
+    env = os.environ.get("EXPERTSPEC_PACK")
+    if env in ("0", "1"):
+        return env == "1"
+    return status() == "on (AVX-512)"
 
 
 def _cap_bytes() -> int:
@@ -111,7 +122,10 @@ def _release(nbytes: int) -> None:
 def packed(w: torch.Tensor) -> torch.Tensor | None:
     """w's strip-packed copy (`pack`), cached on w and rebuilt when w's storage, in-place version, shape or strides
     change; None when packing is off (EXPERTSPEC_PACK=0, no kernel, not CPU fp32) or the copy would pass the cap."""
-    if not _packs["on"]:
+    on = _packs["on"]
+    if on is None:
+        on = _packs["on"] = packing_default()
+    if not on:
         return None
     # inference tensors (the fused caches) carry no version counter; they are rebuilt, never written in place
     key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.shape, w.stride())

@@ -15,7 +15,7 @@ from engine.models.layers import RMSNorm, add_norm, sign_sin
 from engine.models.layout import input_major
 from engine.models.transformer import Attention, ForwardBatch, rope_cos_sin
 from engine.paths import zoo_path
-from kernels import cpu_decode
+from kernels import cpu_decode, small_m
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason=f"fused CPU decode ops {cpu_decode.status()}")
 
@@ -243,9 +243,10 @@ def test_block_routing_with_and_without_the_fused_call():
 
 @pytest.mark.parametrize("T", [1, 3, 16, 32])
 @pytest.mark.parametrize("shared", [False, True])
-def test_moe_packed_weights(T, shared):
+def test_moe_packed_weights(T, shared, monkeypatch):
     """moe_decode from the strip-packed copies: the in-place sweep's bits for input-major weights, and the row-major
     weights' dot products to ~1e-6 (a different summation order)."""
+    monkeypatch.setitem(small_m._packs, "on", True)  # whatever the build's default
     g = torch.Generator().manual_seed(T + 100 * shared)
     E, D, F_, Fs, r = 6, 40, 24, 20, 2
     gu, dn = torch.randn(E, 2 * F_, D, generator=g), torch.randn(E, D, F_, generator=g)
@@ -256,6 +257,7 @@ def test_moe_packed_weights(T, shared):
     for layout in (input_major, lambda t: t.contiguous()):
         args = (x, layout(gu), layout(dn), ids, w) + ((sh[0], layout(sh[1]), True) if shared else ())
         plain, packed = cpu_decode.moe_decode(*args), cpu_decode.moe_decode(*args, pack=True)
+        assert small_m.packed(args[1]) is not None
         if layout is input_major:
             assert torch.equal(packed, plain)
         else:

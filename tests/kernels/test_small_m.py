@@ -144,6 +144,12 @@ def test_simd_extensions_build_for_the_cpus_vector_set(monkeypatch, cap, flags, 
         assert seen["cflags"][0] == "-O3" and seen["cflags"][-2:] == flags
 
 
+@pytest.fixture
+def packing_on(monkeypatch):
+    """Packing on whatever the build (by default it is on with AVX-512 only: `small_m.packing_default`)."""
+    monkeypatch.setitem(small_m._packs, "on", True)
+
+
 @contextlib.contextmanager
 def packing_off():
     """Every `linear(..., pack=True)` and `cpu_decode.moe_decode(..., pack=True)` sweeps the weights unpacked."""
@@ -167,7 +173,7 @@ def test_pack_layout(S):
 
 @pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 16])
 @pytest.mark.parametrize("N, K", [(2, 5), (16, 32), (17, 33), (33, 1), (100, 64), (1029, 256), (2065, 40)])
-def test_packed_equals_the_sweep_bit_for_bit(M, N, K):
+def test_packed_equals_the_sweep_bit_for_bit(M, N, K, packing_on):
     """The strip-packed weight gives the input-major sweep's bits (same FMA chain per output), batch-invariantly."""
     g = torch.Generator().manual_seed(7 * M + N + K)
     w = input_major(torch.randn(N, K, generator=g))
@@ -181,7 +187,7 @@ def test_packed_equals_the_sweep_bit_for_bit(M, N, K):
             assert torch.equal(small_m.linear(x[[m]], w, bias, pack=True)[0], y[m])
 
 
-def test_packed_copy_follows_the_weight_and_its_cap(monkeypatch):
+def test_packed_copy_follows_the_weight_and_its_cap(monkeypatch, packing_on):
     w = input_major(torch.randn(40, 24))
     x = torch.randn(3, 24)
     p = small_m.packed(w)
@@ -200,5 +206,14 @@ def test_packed_copy_follows_the_weight_and_its_cap(monkeypatch):
     assert torch.equal(small_m.linear(x, fresh, pack=True), small_m.linear(x, fresh))
 
 
-def test_engine_logits_and_greedy_tokens_with_and_without_packing(same_engine_output_on_and_off):
+def test_packing_is_on_by_default_with_avx512_only(monkeypatch):
+    for env, want in (("1", True), ("0", False), (None, small_m.status() == "on (AVX-512)")):
+        if env is None:
+            monkeypatch.delenv("EXPERTSPEC_PACK", raising=False)
+        else:
+            monkeypatch.setenv("EXPERTSPEC_PACK", env)
+        assert small_m.packing_default() is want
+
+
+def test_engine_logits_and_greedy_tokens_with_and_without_packing(same_engine_output_on_and_off, packing_on):
     same_engine_output_on_and_off(packing_off)
