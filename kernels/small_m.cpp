@@ -44,7 +44,9 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   return y;
 }
 
-// The same product from the strip-packed weight P [ceil(N / S), K, S] (sweep.h, kernels/small_m.pack): same bits.
+// The same product from the strip-packed weight P [ceil(N / S), K, S] (sweep.h, kernels/small_m.pack): same bits,
+// for up to 64 rows (blocks of 16: a row's bits never depend on M).
+constexpr int64_t kMaxPackedRows = 64;
 torch::Tensor small_m_linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                                     const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && x.size(1) == packed.size(1), "x [M, K] and packed [S', K, S]");
@@ -53,7 +55,7 @@ torch::Tensor small_m_linear_packed(const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxBlock, "1 <= M <= 16 rows");
+  TORCH_CHECK(M >= 1 && M <= kMaxPackedRows, "1 <= M <= 64 rows");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
@@ -64,8 +66,15 @@ torch::Tensor small_m_linear_packed(const torch::Tensor& x, const torch::Tensor&
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const auto fn = kStripSweeps[M - 1];
-  at::parallel_for(0, strips, 16, [&](int64_t s0, int64_t s1) { fn(xp, x.stride(0), pp, K, N, b, yp, N, s0, s1); });
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, strips, 16, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {  // blocks of <= 16 rows per strip, the strip in L1 / L2 after the first
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxBlock) {
+        const int64_t rows = std::min(kMaxBlock, M - m0);
+        kStripSweeps[rows - 1](xp + m0 * ldx, ldx, pp, K, N, b, yp + m0 * N, N, s, s + 1);
+      }
+    }
+  });
   return y;
 }
 
@@ -73,6 +82,6 @@ int64_t strip_width() { return kStrip; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear, "y[M, N] = x[M, K] @ wt[K, N] (+ bias), 1 <= M <= 16, fp32");
-  m.def("small_m_linear_packed", &small_m_linear_packed, "the same from the strip-packed weight [ceil(N/S), K, S]");
+  m.def("small_m_linear_packed", &small_m_linear_packed, "the same from the packed weight [ceil(N/S), K, S], M <= 64");
   m.def("strip_width", &strip_width, "S, the columns of one strip of a packed weight");
 }

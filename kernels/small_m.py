@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from kernels.cpp_build import CppExtension, clear_stale_lock
 
 MIN_ROWS, MAX_ROWS = 1, 16
+MAX_PACKED_ROWS = 64  # a packed weight takes up to 64 rows (blocks of 16 per strip)
 
 _EXT = CppExtension("small_m", "EXPERTSPEC_SMALL_M", ("-O3",), simd=True)
 _state = _EXT.state  # {"module", "status"}
@@ -43,12 +44,12 @@ status = _EXT.status  # 'on (AVX-512)', 'on (AVX2)' or 'off (<why>)'
 _clear_stale_lock = clear_stale_lock
 
 
-def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-    """Whether `linear` takes the kernel: CPU fp32, no autograd, x [1 <= M <= 16, K] with contiguous rows, w [N, K]
-    stored input-major (w.t() contiguous), bias None or contiguous fp32, and the extension on."""
+def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, max_rows: int = MAX_ROWS) -> bool:
+    """Whether `linear` takes the kernel: CPU fp32, no autograd, x [1 <= M <= max_rows, K] with contiguous rows,
+    w [N, K] stored input-major (w.t() contiguous), bias None or contiguous fp32, and the extension on."""
     return (
         x.dim() == 2
-        and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        and MIN_ROWS <= x.shape[0] <= max_rows
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and w.dtype == torch.float32
@@ -63,12 +64,14 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False) -> torch.Tensor:
     """F.linear(x, w, b) for x [..., K], w [N, K]: the small-M kernel when `supports` it, else F.linear. pack: read
-    w's strip-packed copy (`packed`: built on the first call and kept on w; same bits) when there is one."""
-    if x.dim() == 2 and supports(x, w, b):
+    w's strip-packed copy (`packed`: built on the first call and kept on w; same bits) when there is one, then for up
+    to MAX_PACKED_ROWS rows."""
+    if x.dim() == 2 and supports(x, w, b, MAX_PACKED_ROWS if pack else MAX_ROWS):
         p = packed(w) if pack else None
-        if p is not None:
+        if p is not None:  # up to 64 rows
             return _state["module"].small_m_linear_packed(x, p, w.shape[0], b)
-        return _state["module"].small_m_linear(x, w.t(), b)
+        if x.shape[0] <= MAX_ROWS:
+            return _state["module"].small_m_linear(x, w.t(), b)
     return F.linear(x, w, b)
 
 
