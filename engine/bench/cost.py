@@ -289,7 +289,8 @@ def print_cost(res: dict) -> None:
             f"{r['distinct_experts']:>5.0f} " + " ".join(f"{r['phases'].get(k, 0.0) * 1e3:>9.3f}" for k in keys)
         )
     f = res["fit"]
-    print("\n== 2. fitted cost model: s = fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·c ==")
+    print("\n== 2. fitted cost model: s = fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·c"
+          " + per_query_context·n·L·c ==")  # fmt: skip
     print(
         f"{f['samples']} samples ({f['train']} fit, {f['heldout']} held out); two regimes: n = 1 "
         "(decode fast path) and n >= 2 (verification)"
@@ -299,7 +300,8 @@ def print_cost(res: dict) -> None:
         print(
             f"  {regime:<6}: fixed {k['fixed'] * 1e6:8.1f} µs, per_token {k['per_token'] * 1e6:6.2f} µs, "
             f"per_active_expert {k['per_active_expert'] * 1e6:6.2f} µs, per_layer_context "
-            f"{k['per_layer_context'] * 1e9:6.2f} ns  (fitted: {', '.join(f['fitted'][regime])})"
+            f"{k['per_layer_context'] * 1e9:6.2f} ns, per_query_context {k['per_query_context'] * 1e9:6.3f} ns  "
+            f"(fitted: {', '.join(f['fitted'][regime])})"
         )
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
     sm = f["single_model"]

@@ -1,8 +1,11 @@
 """The measured cost model: a linear fit of verification seconds to (tokens, active experts, context).
 
-seconds = fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·context, fitted by least
-squares on measured forwards (`python -m engine.bench cost`); `fit_two_regimes` fits the single-token
+seconds = fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·context
+          + per_query_context·n·L·context,
+fitted by least squares on measured forwards (`python -m engine.bench cost`); `fit_two_regimes` fits the single-token
 decode path and the n >= 2 verification path separately (`DecodeVerifyCost`), since they run different code.
+The last term is attention's work, each of the n queries reading the context's keys and values in every layer: once
+the matmuls got cheap (strip-packed weights, issue 12) it decides the fit at n >= 16 (held-out R² 0.88 without it).
 
 Shape letters: n=verified tokens L=MoE layers r=top-r.
 """
@@ -25,30 +28,35 @@ class CostSample:
     seconds: float
 
 
-def cost_features(routing: Sequence[torch.Tensor], context_len: int) -> tuple[float, float, float, float]:
-    """(1, n tokens, Σ_l distinct experts U_l, L·context) — the regressors of FittedCost."""
+def cost_features(routing: Sequence[torch.Tensor], context_len: int) -> tuple[float, float, float, float, float]:
+    """(1, n tokens, Σ_l distinct experts U_l, L·context, n·L·context) — the regressors of FittedCost."""
     n = float(routing[0].shape[0]) if len(routing) else 0.0
     active = float(sum(int(torch.unique(e).numel()) for e in routing))
-    return 1.0, n, active, float(len(routing) * context_len)
+    lc = float(len(routing) * context_len)
+    return 1.0, n, active, lc, n * lc
+
+
+CONSTANTS = ("fixed", "per_token", "per_active_expert", "per_layer_context", "per_query_context")
 
 
 @dataclass(frozen=True)
 class FittedCost:
-    """seconds ≈ fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·context.
+    """seconds ≈ fixed + per_token·n + per_active_expert·Σ_l U_l + per_layer_context·L·context
+    + per_query_context·n·L·context.
 
-    `fitted` names the constants the data could identify; the others were held at 0 (their regressor
-    did not vary over the samples).
+    `fitted` names the constants the data could identify; the others were held at 0 (their regressor did not vary
+    over the samples, or is a combination of the kept ones: n·L·context when every sample has the same n).
     """
 
     fixed: float
     per_token: float
     per_active_expert: float
     per_layer_context: float
-    fitted: tuple[str, ...] = ("fixed", "per_token", "per_active_expert", "per_layer_context")
+    per_query_context: float = 0.0
+    fitted: tuple[str, ...] = CONSTANTS
 
     def predict(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
-        x = cost_features(routing, context_len)
-        return x[0] * self.fixed + x[1] * self.per_token + x[2] * self.per_active_expert + x[3] * self.per_layer_context
+        return float(np.dot(cost_features(routing, context_len), [getattr(self, k) for k in CONSTANTS]))
 
     __call__ = predict
 
@@ -68,23 +76,23 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
     A regressor that is constant over the samples (say every sample has the same context) cannot be told
     apart from `fixed`; its constant is held at 0 and left out of `fitted`.
     """
-    names = ("fixed", "per_token", "per_active_expert", "per_layer_context")
     if not samples:
         raise ValueError("fit_cost_model needs at least one sample")
-    X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 4]
+    X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 5]
     y = np.array([s.seconds for s in samples])
-    keep = [0] + [j for j in range(1, 4) if np.ptp(X[:, j]) > 0]
+    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # rank on comparable columns
+    keep = [0]
+    for j in range(1, X.shape[1]):  # a regressor the kept ones already span is not identifiable
+        if np.linalg.matrix_rank(scaled[:, keep + [j]], tol=1e-9) > len(keep):
+            keep.append(j)
     if len(samples) < len(keep):
-        raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[names[j] for j in keep]}")
+        raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[CONSTANTS[j] for j in keep]}")
     coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
-    values = [0.0] * 4
+    values = [0.0] * X.shape[1]
     for j, c in zip(keep, coef):
         values[j] = float(c)
-    model = FittedCost(*values, fitted=tuple(names[j] for j in keep))
+    model = FittedCost(*values, fitted=tuple(CONSTANTS[j] for j in keep))
     return model, r_squared(X @ np.array(values), y)
-
-
-CONSTANTS = ("fixed", "per_token", "per_active_expert", "per_layer_context")
 
 
 @dataclass(frozen=True)

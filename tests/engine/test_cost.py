@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cost.fitted import CostSample, cost_features, fit_cost_model
+from engine.cost.fitted import CONSTANTS, CostSample, cost_features, fit_cost_model
 from engine.cost.roofline import (
     CONF_DIR,
     HardwareProfile,
@@ -206,7 +206,7 @@ def test_spec_from_hf_config():
 
 def test_fit_recovers_known_constants():
     gen = torch.Generator().manual_seed(0)
-    truth = np.array([2e-3, 1e-4, 5e-5, 2e-8])  # fixed, per token, per active expert, per layer·context
+    truth = np.array([2e-3, 1e-4, 5e-5, 2e-8, 3e-9])  # fixed, per token, per active expert, per L·context, n·L·context
     samples = []
     for i in range(60):
         n = 1 + i % 16
@@ -216,9 +216,12 @@ def test_fit_recovers_known_constants():
         samples.append(CostSample(routing, ctx, seconds))
     fitted, r2 = fit_cost_model(samples)
     assert r2 > 0.99
-    got = np.array([fitted.fixed, fitted.per_token, fitted.per_active_expert, fitted.per_layer_context])
+    got = np.array([getattr(fitted, k) for k in CONSTANTS])
     np.testing.assert_allclose(got, truth, rtol=0.05)
     assert fitted(samples[0].routing, samples[0].context_len) == pytest.approx(samples[0].seconds, rel=0.01)
     # constant context cannot be told apart from the fixed cost: held at 0, not fitted
     same_ctx = [CostSample(s.routing, 100, s.seconds) for s in samples]
     assert "per_layer_context" not in fit_cost_model(same_ctx)[0].fitted
+    # one n for every sample: n·L·context is a multiple of L·context, so it is not identifiable either
+    one_n = [s for s in samples if s.routing[0].shape[0] == 1]
+    assert fit_cost_model(one_n * 3)[0].fitted == ("fixed", "per_layer_context")  # Σ_l U_l = L·r at n = 1 too
