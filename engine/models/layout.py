@@ -12,6 +12,9 @@ The values are unchanged, only the strides: every module keeps calling `F.linear
 parameter names stay HF's, and `fused_weight` gives fused parts the same treatment. Only the summation order
 inside BLAS changes (logits move by ~1e-6 relative). Applied by `engine.load_model` on CPU; GPU tensor-core
 GEMMs prefer the row-major [out, in] layout, so CUDA tensors are left as they are.
+
+The C++ CPU path reads faster still from a strip-packed copy of each weight ([ceil(out / 32), in, 32], no strided
+view of [out, in]); those copies are not parameters: `kernels.small_m.packed` builds and caches them on first use.
 """
 
 from __future__ import annotations
