@@ -101,8 +101,10 @@ def packing_default() -> bool:
     """EXPERTSPEC_PACK=1 / 0 force packing on / off; unset, it is on with the AVX-512 build only. AVX2's strips hold
     16 columns (two 8-lane vectors), and on the AVX2 build the forward gained 0.95-1.2x (h256 / h512 on Zen 4,
     README) — not worth the memory of the copies; AVX-512's 32-column strips gain 1.2-1.8x."""
-    env = os.environ.get("EXPERTSPEC_PACK")
-    if env in ("0", "1"):
+    env = os.environ.get("EXPERTSPEC_PACK", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"EXPERTSPEC_PACK must be 1 (pack), 0 (do not) or unset (AVX-512 builds pack), got {env!r}")
+    if env:
         return env == "1"
     return status() == "on (AVX-512)"
 
@@ -111,7 +113,10 @@ def _cap_bytes() -> int:
     if _packs["cap"] is None:
         mb = os.environ.get("EXPERTSPEC_PACK_MAX_MB")
         if mb is not None:
-            _packs["cap"] = int(float(mb) * 2**20)
+            try:
+                _packs["cap"] = int(float(mb) * 2**20)
+            except ValueError:
+                raise ValueError(f"EXPERTSPEC_PACK_MAX_MB must be a number of MB, got {mb!r}") from None
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
             _packs["cap"] = total // 4 if total > 0 else 2**30

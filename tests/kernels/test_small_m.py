@@ -219,5 +219,17 @@ def test_packing_is_on_by_default_with_avx512_only(monkeypatch):
         assert small_m.packing_default() is want
 
 
+def test_packing_settings_are_checked(monkeypatch):
+    monkeypatch.setenv("EXPERTSPEC_PACK", "yes")
+    with pytest.raises(ValueError, match="EXPERTSPEC_PACK must be 1"):
+        small_m.packing_default()
+    monkeypatch.setitem(small_m._packs, "cap", None)
+    monkeypatch.setenv("EXPERTSPEC_PACK_MAX_MB", "lots")
+    with pytest.raises(ValueError, match="EXPERTSPEC_PACK_MAX_MB must be a number"):
+        small_m._cap_bytes()
+    monkeypatch.setenv("EXPERTSPEC_PACK_MAX_MB", "1.5")
+    assert small_m._cap_bytes() == int(1.5 * 2**20)
+
+
 def test_engine_logits_and_greedy_tokens_with_and_without_packing(same_engine_output_on_and_off, packing_on):
     same_engine_output_on_and_off(packing_off)
