@@ -99,10 +99,7 @@ class FittedCostModel(CostModel):
         routing: np.ndarray | None = None,
     ) -> float:
         m = self.target.decode if n <= 1 else self.target.verify
-        L = self.routing_shape[0]
-        lc = L * context_len
-        return (m.fixed + m.per_token * n + m.per_active_expert * distinct_total + m.per_layer_context * lc
-                + m.per_query_context * n * lc)  # fmt: skip
+        return m.seconds(n, distinct_total, self.routing_shape[0], context_len)
 
     def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int) -> float:
         return self.drafter_fit.round_cost(drafted_depth, width, context_len, expert_aware)

@@ -313,7 +313,7 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
   const float* gu_p = packed_of(gu_packed, {E}, 2 * F, D);
   const float* down_p = packed_of(down_packed, {E}, D, F);
   const float* sd_p = shared_in ? packed_of(shared_down_packed, {}, D, Fs) : nullptr;
-  const int64_t gu_ps = (2 * F + S - 1) / S * S * D, down_ps = (D + S - 1) / S * S * F;  // floats per expert
+  const int64_t gu_ps = gu_p ? gu_packed->stride(0) : 0, down_ps = down_p ? down_packed->stride(0) : 0;  // per expert
   const float* xp = x.data_ptr<float>();
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* wt = weights.data_ptr<float>();

@@ -18,6 +18,14 @@ using expertspec::kStripSweeps;
 using expertspec::kSweeps;
 using expertspec::SweepFn;
 
+// the optional bias [N] (fp32, contiguous) of both entry points, or nullptr
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+              "bias [N] fp32 contiguous");
+  return bias->data_ptr<float>();
+}
+
 }  // namespace
 
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, const c10::optional<torch::Tensor>& bias) {
@@ -26,12 +34,7 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   TORCH_CHECK(x.stride(1) == 1 && wt.stride(1) == 1, "x and wt rows must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = wt.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxBlock, "1 <= M <= 16 rows");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "bias [N] fp32 contiguous");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
@@ -56,12 +59,7 @@ torch::Tensor small_m_linear_packed(const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxPackedRows, "1 <= M <= 64 rows");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "bias [N] fp32 contiguous");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();

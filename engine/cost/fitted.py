@@ -55,8 +55,15 @@ class FittedCost:
     per_query_context: float = 0.0
     fitted: tuple[str, ...] = CONSTANTS
 
+    def seconds(self, n: int, distinct_total: float, layers: int, context_len: int) -> float:
+        """The model at n verified tokens, Σ_l U_l = distinct_total, `layers` MoE layers and the context length."""
+        lc = layers * context_len
+        return (self.fixed + self.per_token * n + self.per_active_expert * distinct_total
+                + self.per_layer_context * lc + self.per_query_context * n * lc)  # fmt: skip
+
     def predict(self, routing: Sequence[torch.Tensor], context_len: int) -> float:
-        return float(np.dot(cost_features(routing, context_len), [getattr(self, k) for k in CONSTANTS]))
+        _, n, active, _, _ = cost_features(routing, context_len)
+        return self.seconds(n, active, len(routing), context_len)
 
     __call__ = predict
 
