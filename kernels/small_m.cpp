@@ -4,19 +4,14 @@
 // memory order (kernels/sweep.h), once for all <= 16 rows, so the weight streams close to the read bandwidth;
 // y[m, n] starts at bias[n] (or 0) and accumulates x[m, k] * wt[k, n] over k in order with one FMA each, so a
 // row's result has the same bits whatever M is (batch-invariant). AVX-512F or AVX2 + FMA (kernels/simd.h).
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include "sweep.h"
+#include "decode_ops.h"
 
 namespace {
 
-using expertspec::kLanes;
 using expertspec::kMaxBlock;
 using expertspec::kStrip;
-using expertspec::kStripSweeps;
-using expertspec::kSweeps;
-using expertspec::SweepFn;
 
 // the optional bias [N] (fp32, contiguous) of both entry points, or nullptr
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
@@ -36,14 +31,8 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& wt, co
   TORCH_CHECK(M >= 1 && M <= kMaxBlock, "1 <= M <= 16 rows");
   const float* b = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = wt.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t vectors = (N + kLanes - 1) / kLanes;
-  const SweepFn fn = kSweeps[M - 1];  // one sweep of the weight for all M rows
-  at::parallel_for(0, vectors, 32, [&](int64_t v0, int64_t v1) {
-    fn(xp, x.stride(0), wp, wt.stride(0), K, b, yp, N, v0 * kLanes, std::min(N, v1 * kLanes));
-  });
+  expertspec::decode::linear_rows(x.data_ptr<float>(), M, K, x.stride(0), nullptr, wt.data_ptr<float>(), wt.stride(0),
+                                  N, b, y.data_ptr<float>());
   return y;
 }
 
@@ -57,22 +46,12 @@ torch::Tensor small_m_linear_packed(const torch::Tensor& x, const torch::Tensor&
               "packed [ceil(N / S), K, S] contiguous, S = ", kStrip);
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxPackedRows, "1 <= M <= 64 rows");
   const float* b = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, strips, 16, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {  // blocks of <= 16 rows per strip, the strip in L1 / L2 after the first
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxBlock) {
-        const int64_t rows = std::min(kMaxBlock, M - m0);
-        kStripSweeps[rows - 1](xp + m0 * ldx, ldx, pp, K, N, b, yp + m0 * N, N, s, s + 1);
-      }
-    }
-  });
+  expertspec::decode::linear_rows(x.data_ptr<float>(), M, K, x.stride(0), packed.data_ptr<float>(), nullptr, 0, N,
+                                  b, y.data_ptr<float>());
   return y;
 }
 

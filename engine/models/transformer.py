@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.cpu_stack import CpuStack
 from engine.models.gpt_oss import GptOssAttention, GptOssMoE
 from engine.models.layers import RMSNorm, add_norm, apply_rope, apply_rope_signed, sign_sin, unpad_index
 from engine.models.mla import MLAttention
@@ -340,6 +341,17 @@ class Model(nn.Module):
         order (layer i's input = layer i-1's output, transformers' `hidden_states[i]`; i = num_layers is the
         last layer's output before the final norm), as SGLang / vLLM capture EAGLE-3's auxiliary states."""
         record = RoutingRecord(keep_logits=keep_router_logits) if record_routing else None
+        stack = CpuStack.get(self, batch, kv, expert_budget) if timer is None else None
+        if stack is not None:  # every layer in one C++ call (engine.models.cpu_stack): the same ops and bits
+            logits, hidden, h, features, routing = stack.forward(self, batch, kv, record_routing, keep_router_logits,
+                                                                 feature_layers)  # fmt: skip
+            if record is not None:
+                ids, weights, router_logits = routing
+                record.layers.extend(layer.layer for layer in self.model.layers)
+                record.expert_ids.extend(ids)
+                record.topk_weights.extend(weights)
+                record.router_logits.extend(router_logits)
+            return ForwardOutput(logits=logits, hidden=hidden, routing=record, pre_norm_hidden=h, features=features)
         captured: dict[int, torch.Tensor] = {}
         with maybe_phase(timer, "embed"):
             h = self.model.embed_tokens(batch.input_ids)  # [N, D]

@@ -1,0 +1,154 @@
+"""A whole cached CPU forward in one C++ call: `kernels/decoder_stack.h`'s `DecoderStack` over a model's layers.
+
+    stack = CpuStack.get(model, batch, kv, expert_budget)    # None: take the per-op path
+    out = stack.forward(model, batch, kv, record_routing, keep_router_logits, feature_layers)
+
+`Model.forward_batch`'s per-op path calls ~12 native ops per layer (fused QKV, attention, o_proj, two norms, the fused
+router + shared input, routing, experts) from Python, and the Python between them — module attribute lookups, the
+fused and packed weights' validity checks, argument checks — costs ~100 µs per layer, a third of a decode step at
+hidden 256 (README, issue 12). The stack runs the same ops (kernels/decode_ops.h: the same functions, so the same
+bits; tested) for every layer in one call, with the weights resolved once: the fused QKV and router + shared input
+matrices and every strip-packed copy are the per-op path's own caches (`fused_weight`, `kernels.small_m.packed`), so
+the stack adds no weight memory.
+
+It applies to CPU fp32 MoE targets whose every layer is standard attention (no qk-norm over the whole projection, no
+qkv clip; per-head qk-norm and partial RoPE are fine) with a softmax-routed MoE block (Qwen2/3-MoE, Mixtral, OLMoE
+without its full qk-norm), for forwards of at most 32 tokens (16 when a matmul weight has no packed copy) without a
+phase timer, an active expert budget, expert parallelism or offload (`expert_fn`), or the Triton backend. Otherwise
+— and with EXPERTSPEC_LAYER_STACK=0 — the per-op path runs. The stack is rebuilt when any parameter's storage or
+in-place version changes (`DecoderStack.valid`), or packing is switched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.routing import budget_applies
+from kernels import cpu_decode, small_m
+
+
+def _linear_spec(w: torch.Tensor, b: torch.Tensor | None) -> dict | None:
+    """What `kernels.small_m.linear(x, w, b, pack=True)` reads: the packed copy, or w input-major (<= 16 rows); None
+    when it would run F.linear (not input-major, or the small-M kernel is off)."""
+    if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
+        return None
+    p = small_m.packed(w)
+    if p is not None:
+        return {"packed": p, "n": w.shape[0], "weight": None, "bias": b}
+    if w.dim() == 2 and w.stride(0) == 1 and small_m.load() is not None:
+        return {"packed": None, "weight": w, "bias": b}
+    return None
+
+
+def _packing() -> bool | None:
+    return small_m._packs["on"]
+
+
+class CpuStack:
+    """A model's `DecoderStack` and what decides whether it still applies (see the module docstring)."""
+
+    def __init__(self, native, blocks: list, num_experts: int, top_r: int, packing: bool | None) -> None:
+        self.native, self.blocks, self.num_experts, self.top_r, self.packing = native, blocks, num_experts, top_r, packing
+        self.max_tokens = native.max_tokens()
+
+    @staticmethod
+    def build(model) -> CpuStack | None:
+        """The stack of `model`, or None when a layer or weight is not one it takes."""
+        from engine.models.moe import MoEBlock
+        from engine.models.transformer import Attention
+
+        cfg = model.config
+        module = cpu_decode.load()
+        if (
+            module is None
+            or model.device.type != "cpu"
+            or model.dtype != torch.float32
+            or cfg.qk_norm not in ("none", "head")
+            or cfg.clip_qkv is not None
+            or cfg.model_type == "gpt_oss"
+        ):
+            return None
+        layers, blocks, sources = [], [], []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(attn) is not Attention or not isinstance(mlp, MoEBlock) or mlp.router != "softmax":
+                return None
+            qkv = _linear_spec(*attn._fused_qkv())
+            o = _linear_spec(attn.o_proj.weight, attn.o_proj.bias)
+            fused_in = _linear_spec(mlp._fused_input(), None)
+            if qkv is None or o is None or fused_in is None:
+                return None
+            se = mlp.shared_expert
+            shared_down = se.down_proj.weight if se is not None else None
+            gu, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+            layers.append({
+                "in_norm": layer.input_layernorm.weight, "in_eps": layer.input_layernorm.eps,
+                "post_norm": layer.post_attention_layernorm.weight, "post_eps": layer.post_attention_layernorm.eps,
+                "qkv": qkv, "o": o, "fused_in": fused_in,
+                "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
+                "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
+                "qk_eps": attn.q_norm.eps if attn.q_norm is not None else 0.0,
+                "gu": gu, "down": down, "gu_packed": small_m.packed(gu), "down_packed": small_m.packed(down),
+                "shared_down": shared_down,
+                "shared_down_packed": small_m.packed(shared_down) if shared_down is not None else None,
+                "num_experts": mlp.num_experts, "top_r": mlp.top_r, "norm_topk": mlp.norm_topk_prob,
+                "shared_gated": mlp.shared_expert_gate is not None,
+            })  # fmt: skip
+            blocks.append(mlp)
+            sources += list(layer.parameters())
+        if len({(b.num_experts, b.top_r) for b in blocks}) != 1:
+            return None
+        head = {"norm": model.model.norm.weight, "eps": model.model.norm.eps,
+                "lm_head": _linear_spec(model.lm_head.weight, None)}  # fmt: skip
+        sources += [model.model.norm.weight, model.lm_head.weight]
+        native = module.DecoderStack(layers, head, sources, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return CpuStack(native, blocks, blocks[0].num_experts, blocks[0].top_r, _packing())
+
+    @staticmethod
+    def get(model, batch, kv, expert_budget: int | None) -> CpuStack | None:
+        """The model's stack when it applies to this forward (built, or rebuilt, on demand), else None."""
+        n = batch.input_ids.shape[0]
+        if os.environ.get("EXPERTSPEC_LAYER_STACK", "1") == "0" or torch.is_grad_enabled() or n > 32:
+            return None
+        cached = model.__dict__.get("_cpu_stack")
+        if cached is False:  # the model's layers are not ones the stack takes
+            return None
+        if cached is None or cached.packing != _packing() or not cached.native.valid():
+            cached = CpuStack.build(model)
+            model.__dict__["_cpu_stack"] = False if cached is None else cached
+            if cached is None:
+                return None
+        if (
+            n > cached.max_tokens
+            or kv.k.dtype != torch.float32
+            or kv.k.device.type != "cpu"
+            or budget_applies(n, cached.num_experts, expert_budget, cached.top_r)
+            or any(b.expert_fn is not None or b.backend == "triton" for b in cached.blocks)
+        ):
+            return None
+        return cached
+
+    def forward(self, model, batch, kv, record_routing: bool, keep_router_logits: bool,
+                feature_layers: tuple[int, ...] | None):  # fmt: skip
+        """-> (logits [N, V], hidden [N, D], h [N, D] before the final norm, features or None, routing lists (ids,
+        weights, router logits) or None). Logits are computed here when the LM head is not in the stack."""
+        h = F.embedding(batch.input_ids, model.model.embed_tokens.weight)  # [N, D]
+        cos, sin = model._rope_table(h.dtype)
+        capture = sorted(set(feature_layers)) if feature_layers else []
+        mask = None if batch.attn_mask is None else batch.attn_mask.contiguous()
+        logits, hidden, h, captured, ids, weights, router_logits = self.native.forward(
+            h, batch.positions.contiguous(), cos, sin, kv.k, kv.v, batch.write_slots.contiguous(),
+            batch.pad_index.contiguous(), batch.read_slots.contiguous(), mask, capture, record_routing,
+            keep_router_logits,
+        )  # fmt: skip
+        if logits is None:
+            logits = small_m.linear(hidden, model.lm_head.weight, pack=True)
+        features = None
+        if feature_layers:
+            by_layer = dict(zip(capture, captured))
+            features = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
+        routing = (ids, weights, router_logits) if record_routing else None
+        return logits, hidden, h, features, routing
