@@ -24,19 +24,27 @@ namespace expertspec::stack {
 namespace d = expertspec::decode;
 namespace py = pybind11;
 
-// W [N, K] of one matmul: its strip-packed copy P [ceil(N / S), K, S], or the input-major wt = W^T [K, N] (rows
-// contiguous; <= 16 token rows then, as kernels.small_m.linear)
+constexpr int64_t kMaxTokens = 32;  // kernels.cpu_decode.MAX_MOE_TOKENS: more tokens take the grouped GEMMs
+
+// W [N, K] of one matmul, read as kernels.small_m.linear(x, W, b, pack=True) reads it: from its strip-packed copy
+// P [ceil(N / S), K, S] when there is one; else with the small-M sweep from wt = W^T [K, N] (W input-major) for
+// <= 16 token rows; else with at::linear (F.linear's BLAS and bits).
 struct Linear {
-  torch::Tensor P, wt;
+  torch::Tensor W, P, wt;
   c10::optional<torch::Tensor> bias;
   int64_t N = 0, K = 0;
 
-  void run(const float* x, int64_t M, int64_t ldx, float* y) const {
-    d::linear_rows(x, M, K, ldx, P.defined() ? P.data_ptr<float>() : nullptr,
-                   wt.defined() ? wt.data_ptr<float>() : nullptr, wt.defined() ? wt.stride(0) : 0, N,
-                   bias ? bias->data_ptr<float>() : nullptr, y);
+  // y [M, N] = x [M, K] W^T (+ b); x: a tensor's rows (row stride ldx), as BLAS would be handed them
+  void run(const torch::Tensor& x, int64_t M, float* y) const {
+    const float* b = bias ? bias->data_ptr<float>() : nullptr;
+    if (P.defined() || (wt.defined() && M <= kMaxBlock)) {
+      d::linear_rows(x.data_ptr<float>(), M, K, x.stride(0), P.defined() ? P.data_ptr<float>() : nullptr,
+                     wt.defined() ? wt.data_ptr<float>() : nullptr, wt.defined() ? wt.stride(0) : 0, N, b, y);
+      return;
+    }
+    const torch::Tensor out = at::linear(x.narrow(0, 0, M), W, bias);
+    std::copy_n(out.data_ptr<float>(), M * N, y);
   }
-  int64_t max_rows() const { return P.defined() ? 64 : 16; }
 };
 
 inline c10::optional<torch::Tensor> opt(const py::handle& o) {
@@ -52,24 +60,25 @@ inline torch::Tensor fp32(const py::handle& o, const char* name) {
   return t;
 }
 
-// {"weight": W [N, K] input-major (W.t() contiguous) or None, "packed": P or None, "bias": [N] or None}
+// {"weight": W [N, K], "packed": P or None, "sweep": whether the small-M sweep reads W (input-major), "bias": [N]
+// or None}
 inline Linear make_linear(const py::dict& spec, const char* name) {
   Linear lin;
+  lin.W = fp32(spec["weight"], name);
+  check(lin.W.dim() == 2, std::string(name) + ": weight [N, K]");
+  lin.N = lin.W.size(0);
+  lin.K = lin.W.size(1);
   lin.bias = opt(spec["bias"]);
   const py::object packed = spec["packed"];
   if (!packed.is_none()) {
     lin.P = fp32(packed, name);
-    check(lin.P.dim() == 3 && lin.P.size(2) == kStrip && lin.P.is_contiguous(),
+    check(lin.P.dim() == 3 && lin.P.size(0) == (lin.N + kStrip - 1) / kStrip && lin.P.size(1) == lin.K &&
+              lin.P.size(2) == kStrip && lin.P.is_contiguous(),
           std::string(name) + ": packed [ceil(N / S), K, S] contiguous");
-    lin.N = spec["n"].cast<int64_t>();
-    lin.K = lin.P.size(1);
-    check(lin.P.size(0) == (lin.N + kStrip - 1) / kStrip, std::string(name) + ": packed strips != ceil(N / S)");
-  } else {
-    const torch::Tensor w = fp32(spec["weight"], name);
-    check(w.dim() == 2 && w.stride(0) == 1, std::string(name) + ": weight [N, K] stored input-major");
-    lin.wt = w.t();
-    lin.N = w.size(0);
-    lin.K = w.size(1);
+  }
+  if (spec["sweep"].cast<bool>()) {
+    check(lin.W.stride(0) == 1, std::string(name) + ": the sweep reads an input-major weight");
+    lin.wt = lin.W.t();
   }
   check(!lin.bias || (lin.bias->scalar_type() == torch::kFloat && lin.bias->is_contiguous() &&
                       lin.bias->numel() == lin.N),
@@ -90,7 +99,7 @@ struct Layer {
 
 class DecoderStack {
  public:
-  // layers: one dict per layer (keys below), head: {"norm", "eps", "lm_head": linear spec or None (logits None)}, sources: the parameters
+  // layers: one dict per layer (keys below), head: {"norm", "eps", "lm_head": linear spec}, sources: the parameters
   // the weights were made from, H / Hkv / hd: attention heads
   DecoderStack(const py::list& layers, const py::dict& head, const std::vector<torch::Tensor>& sources, int64_t H,
                int64_t Hkv, int64_t hd)
@@ -127,10 +136,8 @@ class DecoderStack {
     D_ = layers_[0].in_norm.numel();
     norm_ = fp32(head["norm"], "final norm");
     norm_eps_ = head["eps"].cast<float>();
-    const py::object lm = head["lm_head"];
-    if (!lm.is_none()) lm_head_ = make_linear(lm.cast<py::dict>(), "lm_head");
-    has_lm_head_ = !lm.is_none();
-    check(norm_.numel() == D_ && (!has_lm_head_ || lm_head_.K == D_), "final norm [D] and lm_head [V, D]");
+    lm_head_ = make_linear(head["lm_head"].cast<py::dict>(), "lm_head");
+    check(norm_.numel() == D_ && lm_head_.K == D_, "final norm [D] and lm_head [V, D]");
   }
 
   // Every source parameter still has the storage and in-place version it had when the stack was built.
@@ -140,18 +147,10 @@ class DecoderStack {
     return true;
   }
 
-  // Most tokens one forward takes (the experts' blocks and every matmul's weight form).
-  int64_t max_tokens() const {
-    int64_t m = 32;  // kernels.cpu_decode.MAX_MOE_TOKENS
-    for (const auto& l : layers_)
-      m = std::min({m, l.qkv.max_rows(), l.o.max_rows(), l.fused_in.max_rows()});
-    return has_lm_head_ ? std::min(m, lm_head_.max_rows()) : m;
-  }
-
   // h [n, D] (embedded tokens), positions [n] into cos / sin_signed tables [P, rd], k_all / v_all [L, slots, Hkv, hd]
   // (the cache storage), write_slots [n], pad_index [B, Tq], read_slots [B, S], mask [B, Tq, S] bool or None; capture:
   // layers whose input residual to return; routing / logits: return each layer's expert ids, weights (and router
-  // logits) -> (logits [n, V] or None, hidden [n, D], h [n, D] before the final norm, [captured], [ids], [weights], [router
+  // logits) -> (logits [n, V], hidden [n, D], h [n, D] before the final norm, [captured], [ids], [weights], [router
   // logits]).
   py::tuple forward(const torch::Tensor& h_in, const torch::Tensor& positions, const torch::Tensor& cos_table,
                     const torch::Tensor& sin_table, torch::Tensor k_all, torch::Tensor v_all,
@@ -161,7 +160,7 @@ class DecoderStack {
     const int64_t n = h_in.size(0), D = D_, nl = static_cast<int64_t>(layers_.size());
     check(h_in.dim() == 2 && h_in.size(1) == D && h_in.is_contiguous() && h_in.scalar_type() == torch::kFloat,
           "h [n, D] contiguous fp32");
-    check(n >= 1 && n <= max_tokens(), "1 <= n <= max_tokens() tokens");
+    check(n >= 1 && n <= kMaxTokens, "1 <= n <= 32 tokens");
     const int64_t rd = cos_table.size(1), P = cos_table.size(0);
     check(cos_table.dim() == 2 && cos_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
               sin_table.is_contiguous() && cos_table.scalar_type() == torch::kFloat &&
@@ -196,29 +195,31 @@ class DecoderStack {
       std::copy_n(sin_table.data_ptr<float>() + pos[t] * rd, rd, sin.data() + t * rd);
     }
     const auto opts = h_in.options();
-    std::vector<float> h(h_in.data_ptr<float>(), h_in.data_ptr<float>() + n * D), x(n * D), delta(n * D), o(n * D);
-    std::vector<float> proj, attn(n * H_ * hd_), fin;
+    std::vector<float> h(h_in.data_ptr<float>(), h_in.data_ptr<float>() + n * D), delta(n * D), o(n * D), proj, fin;
+    const torch::Tensor x = torch::empty({n, D}, opts), attn = torch::empty({n, H_ * hd_}, opts);  // matmul inputs
+    float* X = x.data_ptr<float>();
+    float* A = attn.data_ptr<float>();
     py::list captured, ids_out, weights_out, logits_out;
     const int64_t layer_slots = slots * Hkv_ * hd_;
     for (int64_t i = 0; i < nl; ++i) {
       const Layer& l = layers_[i];
       d::add_rms_norm_rows(h.data(), i ? delta.data() : nullptr, l.in_norm.data_ptr<float>(), l.in_eps, n, D,
-                           h.data(), x.data());
+                           h.data(), X);
       if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.append(copy(h, n, D, opts));
       proj.resize(n * l.qkv.N);
-      l.qkv.run(x.data(), n, D, proj.data());
-      std::fill(attn.begin(), attn.end(), 0.0f);
+      l.qkv.run(x, n, proj.data());
+      std::fill_n(A, n * H_ * hd_, 0.0f);
       d::attention_core(proj.data(), n, l.qkv.N, cos.data(), sin.data(), rd, rd,
                         l.q_norm ? l.q_norm->data_ptr<float>() : nullptr,
                         l.k_norm ? l.k_norm->data_ptr<float>() : nullptr, l.qk_eps,
                         k_all.data_ptr<float>() + i * layer_slots, v_all.data_ptr<float>() + i * layer_slots, hd_, ws,
                         RS, B, S, pad_index.data_ptr<int64_t>(), Tq, mask ? mask->data_ptr<bool>() : nullptr, H_,
-                        Hkv_, attn.data());
-      l.o.run(attn.data(), n, H_ * hd_, o.data());
-      d::add_rms_norm_rows(h.data(), o.data(), l.post_norm.data_ptr<float>(), l.post_eps, n, D, h.data(), x.data());
+                        Hkv_, A);
+      l.o.run(attn, n, o.data());
+      d::add_rms_norm_rows(h.data(), o.data(), l.post_norm.data_ptr<float>(), l.post_eps, n, D, h.data(), X);
       const int64_t width = l.fused_in.N;
       fin.resize(n * width);
-      l.fused_in.run(x.data(), n, D, fin.data());
+      l.fused_in.run(x, n, fin.data());
       auto w = torch::empty({n, l.r}, opts);
       auto ids = torch::empty({n, l.r}, opts.dtype(torch::kLong));
       d::route_core(fin.data(), n, l.E, width, l.r, l.norm_topk, w.data_ptr<float>(), ids.data_ptr<int64_t>());
@@ -239,7 +240,7 @@ class DecoderStack {
         se.gated = l.gated;
       }
       std::fill(delta.begin(), delta.end(), 0.0f);
-      d::moe_core(x.data(), n, D, ew, ids.data_ptr<int64_t>(), w.data_ptr<float>(), l.r, se, delta.data());
+      d::moe_core(X, n, D, ew, ids.data_ptr<int64_t>(), w.data_ptr<float>(), l.r, se, delta.data());
       if (routing) {
         ids_out.append(ids);
         weights_out.append(w);
@@ -254,12 +255,8 @@ class DecoderStack {
     d::add_rms_norm_rows(h.data(), delta.data(), norm_.data_ptr<float>(), norm_eps_, n, D, h_out.data_ptr<float>(),
                          hidden.data_ptr<float>());
     if (std::find(capture.begin(), capture.end(), nl) != capture.end()) captured.append(h_out);
-    py::object logits = py::none();
-    if (has_lm_head_) {
-      auto y = torch::empty({n, lm_head_.N}, opts);
-      lm_head_.run(hidden.data_ptr<float>(), n, D, y.data_ptr<float>());
-      logits = py::cast(y);
-    }
+    auto logits = torch::empty({n, lm_head_.N}, opts);
+    lm_head_.run(hidden, n, logits.data_ptr<float>());
     return py::make_tuple(logits, hidden, h_out, captured, ids_out, weights_out, logits_out);
   }
 
@@ -310,7 +307,6 @@ class DecoderStack {
   torch::Tensor norm_;
   float norm_eps_ = 0;
   Linear lm_head_;
-  bool has_lm_head_ = false;
   std::vector<torch::Tensor> sources_;
   std::vector<std::pair<const void*, int64_t>> keys_;
 };
@@ -319,7 +315,6 @@ inline void bind(py::module_& m) {
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<const py::list&, const py::dict&, const std::vector<torch::Tensor>&, int64_t, int64_t, int64_t>())
       .def("valid", &DecoderStack::valid, "whether every source parameter is unchanged since the stack was built")
-      .def("max_tokens", &DecoderStack::max_tokens, "the most tokens one forward takes")
       .def("forward", &DecoderStack::forward, "one cached forward of n packed tokens over every layer (fp32)");
 }
 

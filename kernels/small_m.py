@@ -44,9 +44,12 @@ status = _EXT.status  # 'on (AVX-512)', 'on (AVX2)' or 'off (<why>)'
 _clear_stale_lock = clear_stale_lock
 
 
-def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, max_rows: int = MAX_ROWS) -> bool:
+def supports(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, max_rows: int = MAX_ROWS, packed: bool = False
+) -> bool:
     """Whether `linear` takes the kernel: CPU fp32, no autograd, x [1 <= M <= max_rows, K] with contiguous rows,
-    w [N, K] stored input-major (w.t() contiguous), bias None or contiguous fp32, and the extension on."""
+    w [N, K] stored input-major (w.t() contiguous; any strides when read from its packed copy, `packed`), bias None
+    or contiguous fp32, and the extension on."""
     return (
         x.dim() == 2
         and MIN_ROWS <= x.shape[0] <= max_rows
@@ -54,7 +57,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, ma
         and x.dtype == torch.float32
         and w.dtype == torch.float32
         and w.dim() == 2
-        and w.stride(0) == 1
+        and (packed or w.stride(0) == 1)
         and x.stride(1) == 1
         and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
@@ -64,14 +67,15 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, ma
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False) -> torch.Tensor:
     """F.linear(x, w, b) for x [..., K], w [N, K]: the small-M kernel when `supports` it, else F.linear. pack: read
-    w's strip-packed copy (`packed`: built on the first call and kept on w; same bits) when there is one, then for up
-    to MAX_PACKED_ROWS rows."""
-    if x.dim() == 2 and supports(x, w, b, MAX_PACKED_ROWS if pack else MAX_ROWS):
-        p = packed(w) if pack else None
+    w's strip-packed copy (`packed`: built on the first call and kept on w; the input-major sweep's bits) when there
+    is one, then for up to MAX_PACKED_ROWS rows and whatever w's layout (a row-major w, which the sweep does not
+    take, then gets the sweep's bits instead of BLAS's: ~1e-6 relative apart)."""
+    if pack and x.dim() == 2 and supports(x, w, b, MAX_PACKED_ROWS, packed=True):
+        p = packed(w)
         if p is not None:  # up to 64 rows
             return _state["module"].small_m_linear_packed(x, p, w.shape[0], b)
-        if x.shape[0] <= MAX_ROWS:
-            return _state["module"].small_m_linear(x, w.t(), b)
+    if x.dim() == 2 and supports(x, w, b):
+        return _state["module"].small_m_linear(x, w.t(), b)
     return F.linear(x, w, b)
 
 

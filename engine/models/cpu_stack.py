@@ -1,6 +1,6 @@
 """A whole cached CPU forward in one C++ call: `kernels/decoder_stack.h`'s `DecoderStack` over a model's layers.
 
-    stack = CpuStack.get(model, batch, kv, expert_budget)    # None: take the per-op path
+    stack = CpuStack.get(model, batch, kv, expert_budget, Attention)    # None: take the per-op path
     out = stack.forward(model, batch, kv, record_routing, keep_router_logits, feature_layers)
 
 `Model.forward_batch`'s per-op path calls ~12 native ops per layer (fused QKV, attention, o_proj, two norms, the fused
@@ -13,10 +13,10 @@ the stack adds no weight memory.
 
 It applies to CPU fp32 MoE targets whose every layer is standard attention (no qk-norm over the whole projection, no
 qkv clip; per-head qk-norm and partial RoPE are fine) with a softmax-routed MoE block (Qwen2/3-MoE, Mixtral, OLMoE
-without its full qk-norm), for forwards of at most 32 tokens (16 when a matmul weight has no packed copy) without a
-phase timer, an active expert budget, expert parallelism or offload (`expert_fn`), or the Triton backend. Otherwise
-— and with EXPERTSPEC_LAYER_STACK=0 — the per-op path runs. The stack is rebuilt when any parameter's storage or
-in-place version changes (`DecoderStack.valid`), or packing is switched.
+without its full qk-norm), for forwards of at most 32 tokens (MAX_MOE_TOKENS: beyond, the experts take grouped
+GEMMs) without a phase timer, an active expert budget, expert parallelism or offload (`expert_fn`), or the Triton
+backend. Otherwise — and with EXPERTSPEC_LAYER_STACK=0 — the per-op path runs. The stack is rebuilt when any
+parameter's storage or in-place version changes (`DecoderStack.valid`), or packing is switched.
 """
 
 from __future__ import annotations
@@ -26,61 +26,74 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.models.moe import MoEBlock
 from engine.models.routing import budget_applies
 from kernels import cpu_decode, small_m
 
 
-def _linear_spec(w: torch.Tensor, b: torch.Tensor | None) -> dict | None:
-    """What `kernels.small_m.linear(x, w, b, pack=True)` reads: the packed copy, or w input-major (<= 16 rows); None
-    when it would run F.linear (not input-major, or the small-M kernel is off)."""
-    if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
-        return None
-    p = small_m.packed(w)
-    if p is not None:
-        return {"packed": p, "n": w.shape[0], "weight": None, "bias": b}
-    if w.dim() == 2 and w.stride(0) == 1 and small_m.load() is not None:
-        return {"packed": None, "weight": w, "bias": b}
-    return None
+def _linear_spec(w: torch.Tensor, b: torch.Tensor | None) -> dict:
+    """How `kernels.small_m.linear(x, w, b, pack=True)` reads w (decoder_stack.h's `Linear`): its packed copy when
+    there is one, else the small-M sweep when it takes w (input-major) for <= 16 rows, else F.linear."""
+    x = torch.empty(1, w.shape[-1])
+    p = small_m.packed(w) if small_m.supports(x, w, b, small_m.MAX_PACKED_ROWS, packed=True) else None
+    return {"weight": w, "packed": p, "sweep": small_m.supports(x, w, b), "bias": b}
 
 
 def _packing() -> bool | None:
     return small_m._packs["on"]
 
 
+def _keys(params: list[torch.Tensor]) -> list[tuple[int, int]]:
+    return [(p.data_ptr(), -1 if p.is_inference() else p._version) for p in params]
+
+
+class _Refused:
+    """A model whose weights the stack does not take as they are (not CPU fp32): asked again once a parameter's
+    storage or version, or the packing switch, changes."""
+
+    def __init__(self, model) -> None:
+        self.params = list(model.parameters())
+        self.keys, self.packing = _keys(self.params), _packing()
+
+    def stale(self) -> bool:
+        return self.packing != _packing() or _keys(self.params) != self.keys
+
+
 class CpuStack:
     """A model's `DecoderStack` and what decides whether it still applies (see the module docstring)."""
 
     def __init__(self, native, blocks: list, num_experts: int, top_r: int, packing: bool | None) -> None:
-        self.native, self.blocks, self.num_experts, self.top_r, self.packing = native, blocks, num_experts, top_r, packing
-        self.max_tokens = native.max_tokens()
+        self.native, self.blocks, self.packing = native, blocks, packing  # packing: small_m's switch when built
+        self.num_experts, self.top_r = num_experts, top_r
+
+    def stale(self) -> bool:
+        """A parameter's storage or in-place version, or the packing switch, changed since the stack was built."""
+        return self.packing != _packing() or not self.native.valid()
 
     @staticmethod
-    def build(model) -> CpuStack | None:
-        """The stack of `model`, or None when a layer or weight is not one it takes."""
-        from engine.models.moe import MoEBlock
-        from engine.models.transformer import Attention
-
+    def build(model, attention: type) -> CpuStack | _Refused | bool:
+        """The stack of `model`; False when its layers are not ones the stack takes (for good), `_Refused` when its
+        weights are not (for now). attention: the standard attention class (`engine.models.transformer.Attention`;
+        its variants, MLA and gpt_oss's, are not taken)."""
         cfg = model.config
         module = cpu_decode.load()
-        if (
-            module is None
-            or model.device.type != "cpu"
-            or model.dtype != torch.float32
-            or cfg.qk_norm not in ("none", "head")
-            or cfg.clip_qkv is not None
-            or cfg.model_type == "gpt_oss"
-        ):
-            return None
-        layers, blocks, sources = [], [], []
+        if module is None or cfg.qk_norm not in ("none", "head") or cfg.clip_qkv is not None:
+            return False
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if type(attn) is not Attention or not isinstance(mlp, MoEBlock) or mlp.router != "softmax":
-                return None
+            if type(attn) is not attention or not isinstance(mlp, MoEBlock) or mlp.router != "softmax":
+                return False
+        blocks = [layer.mlp for layer in model.model.layers]
+        if len({(b.num_experts, b.top_r) for b in blocks}) != 1:
+            return False
+        if model.device.type != "cpu" or model.dtype != torch.float32:
+            return _Refused(model)
+        layers, sources = [], []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
             qkv = _linear_spec(*attn._fused_qkv())
             o = _linear_spec(attn.o_proj.weight, attn.o_proj.bias)
             fused_in = _linear_spec(mlp._fused_input(), None)
-            if qkv is None or o is None or fused_in is None:
-                return None
             se = mlp.shared_expert
             shared_down = se.down_proj.weight if se is not None else None
             gu, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
@@ -97,10 +110,7 @@ class CpuStack:
                 "num_experts": mlp.num_experts, "top_r": mlp.top_r, "norm_topk": mlp.norm_topk_prob,
                 "shared_gated": mlp.shared_expert_gate is not None,
             })  # fmt: skip
-            blocks.append(mlp)
             sources += list(layer.parameters())
-        if len({(b.num_experts, b.top_r) for b in blocks}) != 1:
-            return None
         head = {"norm": model.model.norm.weight, "eps": model.model.norm.eps,
                 "lm_head": _linear_spec(model.lm_head.weight, None)}  # fmt: skip
         sources += [model.model.norm.weight, model.lm_head.weight]
@@ -108,23 +118,25 @@ class CpuStack:
         return CpuStack(native, blocks, blocks[0].num_experts, blocks[0].top_r, _packing())
 
     @staticmethod
-    def get(model, batch, kv, expert_budget: int | None) -> CpuStack | None:
+    def get(model, batch, kv, expert_budget: int | None, attention: type) -> CpuStack | None:
         """The model's stack when it applies to this forward (built, or rebuilt, on demand), else None."""
         n = batch.input_ids.shape[0]
-        if os.environ.get("EXPERTSPEC_LAYER_STACK", "1") == "0" or torch.is_grad_enabled() or n > 32:
+        if (
+            kv.k.device.type != "cpu"
+            or os.environ.get("EXPERTSPEC_LAYER_STACK", "1") == "0"
+            or torch.is_grad_enabled()
+            or n > cpu_decode.MAX_MOE_TOKENS
+        ):
             return None
         cached = model.__dict__.get("_cpu_stack")
         if cached is False:  # the model's layers are not ones the stack takes
             return None
-        if cached is None or cached.packing != _packing() or not cached.native.valid():
-            cached = CpuStack.build(model)
-            model.__dict__["_cpu_stack"] = False if cached is None else cached
-            if cached is None:
-                return None
+        if cached is None or cached.stale():
+            cached = model.__dict__["_cpu_stack"] = CpuStack.build(model, attention)
+        if not isinstance(cached, CpuStack):
+            return None
         if (
-            n > cached.max_tokens
-            or kv.k.dtype != torch.float32
-            or kv.k.device.type != "cpu"
+            kv.k.dtype != torch.float32
             or budget_applies(n, cached.num_experts, expert_budget, cached.top_r)
             or any(b.expert_fn is not None or b.backend == "triton" for b in cached.blocks)
         ):
@@ -134,7 +146,7 @@ class CpuStack:
     def forward(self, model, batch, kv, record_routing: bool, keep_router_logits: bool,
                 feature_layers: tuple[int, ...] | None):  # fmt: skip
         """-> (logits [N, V], hidden [N, D], h [N, D] before the final norm, features or None, routing lists (ids,
-        weights, router logits) or None). Logits are computed here when the LM head is not in the stack."""
+        weights, router logits) or None)."""
         h = F.embedding(batch.input_ids, model.model.embed_tokens.weight)  # [N, D]
         cos, sin = model._rope_table(h.dtype)
         capture = sorted(set(feature_layers)) if feature_layers else []
@@ -144,8 +156,6 @@ class CpuStack:
             batch.pad_index.contiguous(), batch.read_slots.contiguous(), mask, capture, record_routing,
             keep_router_logits,
         )  # fmt: skip
-        if logits is None:
-            logits = small_m.linear(hidden, model.lm_head.weight, pack=True)
         features = None
         if feature_layers:
             by_layer = dict(zip(capture, captured))

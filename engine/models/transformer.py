@@ -341,7 +341,7 @@ class Model(nn.Module):
         order (layer i's input = layer i-1's output, transformers' `hidden_states[i]`; i = num_layers is the
         last layer's output before the final norm), as SGLang / vLLM capture EAGLE-3's auxiliary states."""
         record = RoutingRecord(keep_logits=keep_router_logits) if record_routing else None
-        stack = CpuStack.get(self, batch, kv, expert_budget) if timer is None else None
+        stack = CpuStack.get(self, batch, kv, expert_budget, Attention) if timer is None else None
         if stack is not None:  # every layer in one C++ call (engine.models.cpu_stack): the same ops and bits
             logits, hidden, h, features, routing = stack.forward(self, batch, kv, record_routing, keep_router_logits,
                                                                  feature_layers)  # fmt: skip
