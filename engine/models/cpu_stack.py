@@ -48,8 +48,8 @@ def _keys(params: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 class _Refused:
-    """A model whose weights the stack does not take as they are (not CPU fp32): asked again once a parameter's
-    storage or version, or the packing switch, changes."""
+    """A model whose weights the stack does not take as they are (not CPU fp32, or only this rank's experts): asked
+    again once a parameter's storage or version, or the packing switch, changes."""
 
     def __init__(self, model) -> None:
         self.params = list(model.parameters())
@@ -86,7 +86,11 @@ class CpuStack:
         blocks = [layer.mlp for layer in model.model.layers]
         if len({(b.num_experts, b.top_r) for b in blocks}) != 1:
             return False
-        if model.device.type != "cpu" or model.dtype != torch.float32:
+        if (
+            model.device.type != "cpu"
+            or model.dtype != torch.float32
+            or any(b.experts.gate_up_proj.shape[0] != b.num_experts for b in blocks)  # EP shards
+        ):
             return _Refused(model)
         layers, sources = [], []
         for layer in model.model.layers:
@@ -131,14 +135,15 @@ class CpuStack:
         cached = model.__dict__.get("_cpu_stack")
         if cached is False:  # the model's layers are not ones the stack takes
             return None
+        blocks = cached.blocks if isinstance(cached, CpuStack) else [layer.mlp for layer in model.model.layers]
+        if any(getattr(b, "expert_fn", None) is not None or getattr(b, "backend", None) == "triton" for b in blocks):
+            return None  # EP / offload compute the experts, or Triton does
         if cached is None or cached.stale():
             cached = model.__dict__["_cpu_stack"] = CpuStack.build(model, attention)
-        if not isinstance(cached, CpuStack):
-            return None
         if (
-            kv.k.dtype != torch.float32
+            not isinstance(cached, CpuStack)
+            or kv.k.dtype != torch.float32
             or budget_applies(n, cached.num_experts, expert_budget, cached.top_r)
-            or any(b.expert_fn is not None or b.backend == "triton" for b in cached.blocks)
         ):
             return None
         return cached

@@ -44,7 +44,7 @@ class RoundStats:
     rank_imbalance_mean: float | None = None  # virtual / real EP layout, max/mean per layer
     rank_imbalance_max: float | None = None
     cross_node_ratio: float | None = None
-    time: dict[str, float] = field(default_factory=dict)  # draft, attention, router, experts, combine, ...
+    time: dict[str, float] = field(default_factory=dict)  # draft, forward, sampling (+ attention, router, ... timed)
     round_seconds: float = 0.0  # measured cost of the round (batched step + this request's drafting)
     policy_seconds: float = 0.0  # choosing this round's action (observation + policy call; 0 without a policy)
     modelled_seconds: float | None = None  # roofline cost, when a cost model is attached
