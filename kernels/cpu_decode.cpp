@@ -16,7 +16,9 @@
 //
 // What the torch path (Attention.forward_cached, RMSNorm) computes, in one call instead of ~15 (attention) and ~8
 // (F.rms_norm) ATen ops, each of which costs several microseconds between weight reads that evict the caches.
-// Sums run in float32 in a fixed order, so results differ from ATen's by rounding only (~1e-6; tested).
+// Sums run in float32 in a fixed order, so results differ from ATen's by rounding only (~1e-6; tested). The raw
+// ops are decode_ops.h's, which decoder_stack.h's DecoderStack (a whole forward in one call, bound here too) also
+// runs: the same bits either way.
 #include <torch/extension.h>
 
 #include <vector>

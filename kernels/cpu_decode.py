@@ -8,12 +8,14 @@ with the torch ops of `engine.models.transformer.Attention.forward_cached`, `F.r
     h, x = cpu_decode.add_rms_norm(h, delta, weight, eps)               # (h + delta, rms_norm(h + delta) * w)
     out = cpu_decode.moe_decode(x, gu, down, ids, weights, shared_in, shared_down, gated, pack=True)   # [T, D]
     weights, ids = cpu_decode.route_softmax(router_logits, r, norm)     # [T, r] fp32, [T, r] int64
+    load().DecoderStack(layers, head, sources, H, Hkv, hd).forward(...)  # every layer at once: engine.models.cpu_stack
 
 Why: at one request and a few tokens, a layer's attention (qk-norm, RoPE, K/V writes, SDPA and its transposes)
 is ~15 ATen ops, each RMSNorm ~8 and a few tokens' experts and shared expert ~30 (with the permutation
 bookkeeping of `kernels.fused_moe_ref` beyond one token), every one of them several µs with
 the caches cold from the weight reads around them, which is more than reading the attention weights takes (README,
-issue 12). Each becomes one call.
+issue 12). Each becomes one call; `DecoderStack` (kernels/decoder_stack.h) then runs all of them, for every layer, in
+one call, on the same raw ops (kernels/decode_ops.h), so with the same bits.
 Built once like the small-M kernel (`kernels.cpp_build`); off when `EXPERTSPEC_CPU_DECODE=0`, without AVX2 or
 AVX-512, without a compiler or on a failed build (`status()` says which), and the torch ops then run.
 """

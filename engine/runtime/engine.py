@@ -80,7 +80,8 @@ class Engine:
     Options: block_size / num_blocks (paged KV; num_blocks None = sized per call), backend ("auto",
     "torch", "triton") for the target's expert GEMM, instrument (routing footprint per round),
     timing (per-phase wall clock of every forward in `RoundStats.time`: the per-op path, whose phases it times, so
-    not the CPU's one-call forward, engine.models.cpu_stack; off by default), cost_model (callable RoutingRecord-like -> modelled seconds),
+    not the CPU's one-call forward, engine.models.cpu_stack; off by default), cost_model (callable RoutingRecord-like
+    -> modelled seconds),
     rank_loads (callable L x expert_ids [n, r] -> (imbalance_mean, imbalance_max, cross_node_ratio)) or
     virtual_ep (an `engine.placement.ExpertPlacement`: per-rank loads of a virtual EP layout every round),
     ep (real expert parallelism, see engine.ep), check_kv (debug: prove the KV invariant every round),
