@@ -82,6 +82,26 @@ inline void rope_row(float* x, const float* cos, const float* ss, int64_t rd, fl
   for (int64_t i = 0; i < rd; ++i) x[i] = tmp[i];
 }
 
+// o [C L] += Σ_j p[j] V[rs[j]] over the keys j < S the mask row mt (or null) lets through, V rows of stride ldv: the
+// output row kept in C vector registers across the keys, each lane one FMA per key in key order (what `axpy` per key
+// computes, without its load and store of o through the cache per key).
+template <int C>
+void pv_rows(const float* p, const float* V, int64_t ldv, const int64_t* rs, const bool* mt, int64_t S, float* o) {
+  vf acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = v::load(o + c * L);
+  for (int64_t j = 0; j < S; ++j) {
+    if (mt && !mt[j]) continue;
+    const vf pj = v::set1(p[j]);
+    const float* vj = V + rs[j] * ldv;
+    for (int c = 0; c < C; ++c) acc[c] = v::fmadd(pj, v::load(vj + c * L), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) v::store(o + c * L, acc[c]);
+}
+
+using PvFn = void (*)(const float*, const float*, int64_t, const int64_t*, const bool*, int64_t, float*);
+constexpr PvFn kPv[] = {pv_rows<1>, pv_rows<2>, pv_rows<3>, pv_rows<4>, pv_rows<5>, pv_rows<6>, pv_rows<7>, pv_rows<8>};
+constexpr int64_t kPvRegisters = 8;  // head dims up to 8 vectors (128 with AVX-512, 64 with AVX2)
+
 // One layer's attention of n packed tokens: P [n, width = (H + 2 Hkv) hd] (fused QKV output), C / SS [n, rd] (row
 // stride ldr), QN / KN [hd] or null, K / V this layer's cache storage [slots, Hkv, hd] (the new keys / values are
 // written into slots ws [n]), PI [B, Tq] packed token of each query cell (>= n: padding), RS [B, S] read slots,
@@ -146,9 +166,14 @@ inline void attention_core(const float* P, int64_t n, int64_t width, const float
       }
       const float sum = v::reduce_add(acc);
       float* oh = O + t * H * hd + h * hd;
-      for (int64_t j = 0; j < S; ++j) {
-        if (mt && !mt[j]) continue;
-        axpy(p[j], V + (rs[j] * Hkv + g) * hd, oh, hd);
+      const int64_t vectors = hd / L;
+      if (hd % L == 0 && vectors <= kPvRegisters) {  // the output row in registers across the keys (axpy's bits)
+        kPv[vectors - 1](p.data(), V + g * hd, Hkv * hd, rs, mt, S, oh);
+      } else {
+        for (int64_t j = 0; j < S; ++j) {
+          if (mt && !mt[j]) continue;
+          axpy(p[j], V + (rs[j] * Hkv + g) * hd, oh, hd);
+        }
       }
       const float inv = 1.0f / sum;
       for (int64_t d = 0; d < hd; ++d) oh[d] *= inv;
