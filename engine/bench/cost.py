@@ -275,7 +275,8 @@ def print_cost(res: dict) -> None:
     print(f"\n== 1. measured target forwards on this CPU ({res['threads']} thread(s), {res['clock']} clock) ==")
     print(
         f"target: {t['source']} ({t['parameters'] / 1e6:.2f} M params, {t['dtype']}); context {m['context']} "
-        f"tokens; T_AR (n=1) = {m['t_ar'] * 1e3:.3f} ms"
+        f"tokens; T_AR (n=1) = {m['t_ar'] * 1e3:.3f} ms\n"
+        "T(n): the forward the engine runs; phases (ms): the same forward on the per-op path, timed phase by phase"
     )
     keys = ["embed", "attention", "router", "experts", "combine", "lm_head", "other"]
     print(
