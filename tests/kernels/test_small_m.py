@@ -233,3 +233,20 @@ def test_packing_settings_are_checked(monkeypatch):
 
 def test_engine_logits_and_greedy_tokens_with_and_without_packing(same_engine_output_on_and_off, packing_on):
     same_engine_output_on_and_off(packing_off)
+
+
+def test_a_row_major_weight_reads_its_packed_copy(packing_on):
+    """pack=True takes any layout: a row-major weight (BLAS's otherwise) gets the input-major sweep's bits, for 1-64
+    rows; without its packed copy it stays with F.linear."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 80, generator=g)  # [N, K] row-major: the sweep does not read it
+    b = torch.randn(48, generator=g)
+    assert not small_m.supports(torch.randn(2, 80), w, b)
+    for M in (1, 5, 16, 40):
+        x = torch.randn(M, 80, generator=g)
+        y = small_m.linear(x, w, b, pack=True)
+        assert torch.equal(y[:16], small_m.linear(x[:16], input_major(w), b))
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    with packing_off():
+        x = torch.randn(3, 80, generator=g)
+        assert torch.equal(small_m.linear(x, w, b, pack=True), F.linear(x, w, b))
