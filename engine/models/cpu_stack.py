@@ -43,20 +43,20 @@ def _packing() -> bool | None:
     return small_m._packs["on"]
 
 
-def _keys(params: list[torch.Tensor]) -> list[tuple[int, int]]:
-    return [(p.data_ptr(), -1 if p.is_inference() else p._version) for p in params]
+def _weights_state(model, blocks: list) -> tuple:
+    """What decides whether the stack takes a model's weights: their dtype and device, each block's stored experts."""
+    return model.dtype, model.device, tuple(b.experts.gate_up_proj.shape[0] for b in blocks)
 
 
 class _Refused:
-    """A model whose weights the stack does not take as they are (not CPU fp32, or only this rank's experts): asked
-    again once a parameter's storage or version, or the packing switch, changes."""
+    """A model whose weights the stack does not take as they are (not CPU fp32, or only this rank's experts, EP):
+    asked again once their dtype, device or stored experts, or the packing switch, change."""
 
-    def __init__(self, model) -> None:
-        self.params = list(model.parameters())
-        self.keys, self.packing = _keys(self.params), _packing()
+    def __init__(self, model, blocks: list) -> None:
+        self.blocks, self.state, self.packing = blocks, _weights_state(model, blocks), _packing()
 
-    def stale(self) -> bool:
-        return self.packing != _packing() or _keys(self.params) != self.keys
+    def stale(self, model) -> bool:
+        return self.packing != _packing() or _weights_state(model, self.blocks) != self.state
 
 
 class CpuStack:
@@ -66,7 +66,7 @@ class CpuStack:
         self.native, self.blocks, self.packing = native, blocks, packing  # packing: small_m's switch when built
         self.num_experts, self.top_r = num_experts, top_r
 
-    def stale(self) -> bool:
+    def stale(self, model) -> bool:
         """A parameter's storage or in-place version, or the packing switch, changed since the stack was built."""
         return self.packing != _packing() or not self.native.valid()
 
@@ -88,10 +88,10 @@ class CpuStack:
             return False
         if (
             model.device.type != "cpu"
-            or model.dtype != torch.float32
+            or any(p.dtype != torch.float32 for p in model.parameters())
             or any(b.experts.gate_up_proj.shape[0] != b.num_experts for b in blocks)  # EP shards
         ):
-            return _Refused(model)
+            return _Refused(model, blocks)
         layers, sources = [], []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -138,7 +138,7 @@ class CpuStack:
         blocks = cached.blocks if isinstance(cached, CpuStack) else [layer.mlp for layer in model.model.layers]
         if any(getattr(b, "expert_fn", None) is not None or getattr(b, "backend", None) == "triton" for b in blocks):
             return None  # EP / offload compute the experts, or Triton does
-        if cached is None or cached.stale():
+        if cached is None or cached.stale(model):
             cached = model.__dict__["_cpu_stack"] = CpuStack.build(model, attention)
         if (
             not isinstance(cached, CpuStack)
