@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "decode_ops.h"
@@ -152,11 +153,12 @@ class DecoderStack {
   // layers whose input residual to return; routing / logits: return each layer's expert ids, weights (and router
   // logits) -> (logits [n, V], hidden [n, D], h [n, D] before the final norm, [captured], [ids], [weights], [router
   // logits]).
-  py::tuple forward(const torch::Tensor& h_in, const torch::Tensor& positions, const torch::Tensor& cos_table,
-                    const torch::Tensor& sin_table, torch::Tensor k_all, torch::Tensor v_all,
-                    const torch::Tensor& write_slots, const torch::Tensor& pad_index, const torch::Tensor& read_slots,
-                    const c10::optional<torch::Tensor>& mask, const std::vector<int64_t>& capture, bool routing,
-                    bool keep_logits) const {
+  using Tensors = std::vector<torch::Tensor>;
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, Tensors, Tensors, Tensors, Tensors> forward(
+      const torch::Tensor& h_in, const torch::Tensor& positions, const torch::Tensor& cos_table,
+      const torch::Tensor& sin_table, torch::Tensor k_all, torch::Tensor v_all, const torch::Tensor& write_slots,
+      const torch::Tensor& pad_index, const torch::Tensor& read_slots, const c10::optional<torch::Tensor>& mask,
+      const std::vector<int64_t>& capture, bool routing, bool keep_logits) const {
     const int64_t n = h_in.size(0), D = D_, nl = static_cast<int64_t>(layers_.size());
     check(h_in.dim() == 2 && h_in.size(1) == D && h_in.is_contiguous() && h_in.scalar_type() == torch::kFloat,
           "h [n, D] contiguous fp32");
@@ -199,13 +201,13 @@ class DecoderStack {
     const torch::Tensor x = torch::empty({n, D}, opts), attn = torch::empty({n, H_ * hd_}, opts);  // matmul inputs
     float* X = x.data_ptr<float>();
     float* A = attn.data_ptr<float>();
-    py::list captured, ids_out, weights_out, logits_out;
+    Tensors captured, ids_out, weights_out, logits_out;
     const int64_t layer_slots = slots * Hkv_ * hd_;
     for (int64_t i = 0; i < nl; ++i) {
       const Layer& l = layers_[i];
       d::add_rms_norm_rows(h.data(), i ? delta.data() : nullptr, l.in_norm.data_ptr<float>(), l.in_eps, n, D,
                            h.data(), X);
-      if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.append(copy(h, n, D, opts));
+      if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.push_back(copy(h, n, D, opts));
       proj.resize(n * l.qkv.N);
       l.qkv.run(x, n, proj.data());
       std::fill_n(A, n * H_ * hd_, 0.0f);
@@ -242,22 +244,22 @@ class DecoderStack {
       std::fill(delta.begin(), delta.end(), 0.0f);
       d::moe_core(X, n, D, ew, ids.data_ptr<int64_t>(), w.data_ptr<float>(), l.r, se, delta.data());
       if (routing) {
-        ids_out.append(ids);
-        weights_out.append(w);
+        ids_out.push_back(ids);
+        weights_out.push_back(w);
         if (keep_logits) {
           auto lg = torch::empty({n, l.E}, opts);
           for (int64_t t = 0; t < n; ++t) std::copy_n(fin.data() + t * width, l.E, lg.data_ptr<float>() + t * l.E);
-          logits_out.append(lg);
+          logits_out.push_back(lg);
         }
       }
     }
     auto h_out = torch::empty({n, D}, opts), hidden = torch::empty({n, D}, opts);
     d::add_rms_norm_rows(h.data(), delta.data(), norm_.data_ptr<float>(), norm_eps_, n, D, h_out.data_ptr<float>(),
                          hidden.data_ptr<float>());
-    if (std::find(capture.begin(), capture.end(), nl) != capture.end()) captured.append(h_out);
+    if (std::find(capture.begin(), capture.end(), nl) != capture.end()) captured.push_back(h_out);
     auto logits = torch::empty({n, lm_head_.N}, opts);
     lm_head_.run(hidden, n, logits.data_ptr<float>());
-    return py::make_tuple(logits, hidden, h_out, captured, ids_out, weights_out, logits_out);
+    return {logits, hidden, h_out, captured, ids_out, weights_out, logits_out};
   }
 
  private:
@@ -315,7 +317,8 @@ inline void bind(py::module_& m) {
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<const py::list&, const py::dict&, const std::vector<torch::Tensor>&, int64_t, int64_t, int64_t>())
       .def("valid", &DecoderStack::valid, "whether every source parameter is unchanged since the stack was built")
-      .def("forward", &DecoderStack::forward, "one cached forward of n packed tokens over every layer (fp32)");
+      .def("forward", &DecoderStack::forward, "one cached forward of n packed tokens over every layer (fp32)",
+           py::call_guard<py::gil_scoped_release>());  // no Python object is touched: other threads run meanwhile
 }
 
 }  // namespace expertspec::stack
