@@ -89,9 +89,11 @@ inline Linear make_linear(const py::dict& spec, const char* name) {
 
 struct Layer {
   torch::Tensor in_norm, post_norm;
-  float in_eps = 0, post_eps = 0, qk_eps = 0;
+  float in_eps = 0, post_eps = 0;
+  double qk_eps = 0;  // the full qk-norm's F.rms_norm takes it as a double; the per-head one in attention_core, a float
   Linear qkv, o, fused_in;  // fused_in: [router E | shared gate Fs | shared up Fs | (shared gate logit 1)]
-  c10::optional<torch::Tensor> q_norm, k_norm;
+  c10::optional<torch::Tensor> q_norm, k_norm;            // per head [hd] (qk-norm "head"), in the attention
+  c10::optional<torch::Tensor> q_norm_full, k_norm_full;  // [H hd], [Hkv hd] (OLMoE's "full"), F.rms_norm's op
   torch::Tensor gu, down;  // [E, 2F, D], [E, D, F] (either layout per matrix)
   c10::optional<torch::Tensor> gu_p, down_p, shared_down, shared_down_p;
   int64_t E = 0, r = 0;
@@ -119,7 +121,9 @@ class DecoderStack {
       l.fused_in = make_linear(s["fused_in"].cast<py::dict>(), "fused input");
       l.q_norm = opt(s["q_norm"]);
       l.k_norm = opt(s["k_norm"]);
-      l.qk_eps = s["qk_eps"].cast<float>();
+      l.q_norm_full = opt(s["q_norm_full"]);
+      l.k_norm_full = opt(s["k_norm_full"]);
+      l.qk_eps = s["qk_eps"].cast<double>();
       l.gu = fp32(s["gu"], "gate_up_proj");
       l.down = fp32(s["down"], "down_proj");
       l.gu_p = opt(s["gu_packed"]);
@@ -197,7 +201,7 @@ class DecoderStack {
       std::copy_n(sin_table.data_ptr<float>() + pos[t] * rd, rd, sin.data() + t * rd);
     }
     const auto opts = h_in.options();
-    std::vector<float> h(h_in.data_ptr<float>(), h_in.data_ptr<float>() + n * D), delta(n * D), o(n * D), proj, fin;
+    std::vector<float> h(h_in.data_ptr<float>(), h_in.data_ptr<float>() + n * D), delta(n * D), o(n * D), fin;
     const torch::Tensor x = torch::empty({n, D}, opts), attn = torch::empty({n, H_ * hd_}, opts);  // matmul inputs
     float* X = x.data_ptr<float>();
     float* A = attn.data_ptr<float>();
@@ -208,12 +212,17 @@ class DecoderStack {
       d::add_rms_norm_rows(h.data(), i ? delta.data() : nullptr, l.in_norm.data_ptr<float>(), l.in_eps, n, D,
                            h.data(), X);
       if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.push_back(copy(h, n, D, opts));
-      proj.resize(n * l.qkv.N);
-      l.qkv.run(x, n, proj.data());
+      const torch::Tensor proj = torch::empty({n, l.qkv.N}, opts);
+      l.qkv.run(x, n, proj.data_ptr<float>());
+      if (l.q_norm_full) {  // RMSNorm over the whole q and k projections, as the per-op path's F.rms_norm
+        const int64_t q = H_ * hd_, k = Hkv_ * hd_;
+        proj.narrow(1, 0, q).copy_(at::rms_norm(proj.narrow(1, 0, q), {q}, *l.q_norm_full, l.qk_eps));
+        proj.narrow(1, q, k).copy_(at::rms_norm(proj.narrow(1, q, k), {k}, *l.k_norm_full, l.qk_eps));
+      }
       std::fill_n(A, n * H_ * hd_, 0.0f);
-      d::attention_core(proj.data(), n, l.qkv.N, cos.data(), sin.data(), rd, rd,
+      d::attention_core(proj.data_ptr<float>(), n, l.qkv.N, cos.data(), sin.data(), rd, rd,
                         l.q_norm ? l.q_norm->data_ptr<float>() : nullptr,
-                        l.k_norm ? l.k_norm->data_ptr<float>() : nullptr, l.qk_eps,
+                        l.k_norm ? l.k_norm->data_ptr<float>() : nullptr, static_cast<float>(l.qk_eps),
                         k_all.data_ptr<float>() + i * layer_slots, v_all.data_ptr<float>() + i * layer_slots, hd_, ws,
                         RS, B, S, pad_index.data_ptr<int64_t>(), Tq, mask ? mask->data_ptr<bool>() : nullptr, H_,
                         Hkv_, A);
@@ -277,6 +286,9 @@ class DecoderStack {
     check(l.o.K == H_ * hd_ && l.o.N == D, "o_proj [D, H hd]");
     check(!l.q_norm == !l.k_norm && (!l.q_norm || (l.q_norm->numel() == hd_ && l.k_norm->numel() == hd_)),
           "q_norm, k_norm [hd] together");
+    check(!l.q_norm_full == !l.k_norm_full && !(l.q_norm && l.q_norm_full) &&
+              (!l.q_norm_full || (l.q_norm_full->numel() == H_ * hd_ && l.k_norm_full->numel() == Hkv_ * hd_)),
+          "q_norm_full [H hd], k_norm_full [Hkv hd] together, not with per-head ones");
     check(l.gu.dim() == 3 && l.down.dim() == 3 && l.gu.size(0) == l.E && l.down.size(0) == l.E &&
               l.gu.size(1) == 2 * l.down.size(2) && l.gu.size(2) == D && l.down.size(1) == D &&
               (l.gu.stride(1) == 1 || l.gu.stride(2) == 1) && (l.down.stride(1) == 1 || l.down.stride(2) == 1),

@@ -11,12 +11,12 @@ bits; tested) for every layer in one call, with the weights resolved once: the f
 matrices and every strip-packed copy are the per-op path's own caches (`fused_weight`, `kernels.small_m.packed`), so
 the stack adds no weight memory.
 
-It applies to CPU fp32 MoE targets whose every layer is standard attention (no qk-norm over the whole projection, no
-qkv clip; per-head qk-norm and partial RoPE are fine) with a softmax-routed MoE block (Qwen2/3-MoE, Mixtral, OLMoE
-without its full qk-norm), for forwards of at most 32 tokens (MAX_MOE_TOKENS: beyond, the experts take grouped
-GEMMs) without a phase timer, an active expert budget, expert parallelism or offload (`expert_fn`), or the Triton
-backend. Otherwise — and with EXPERTSPEC_LAYER_STACK=0 — the per-op path runs. The stack is rebuilt when any
-parameter's storage or in-place version changes (`DecoderStack.valid`), or packing is switched.
+It applies to CPU fp32 MoE targets whose every layer is standard attention (no qkv clip; per-head qk-norm, OLMoE's
+over the whole projection and partial RoPE are fine) with a softmax-routed MoE block (Qwen2/3-MoE, Mixtral, OLMoE),
+for forwards of at most 32 tokens (MAX_MOE_TOKENS: beyond, the experts take grouped GEMMs) without a phase timer, an
+active expert budget, expert parallelism or offload (`expert_fn`), or the Triton backend. Otherwise — and with
+EXPERTSPEC_LAYER_STACK=0 — the per-op path runs. The stack is rebuilt when any parameter's storage or in-place
+version changes (`DecoderStack.valid`), or packing is switched. `DecoderStack.forward` releases the GIL.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class CpuStack:
         its variants, MLA and gpt_oss's, are not taken)."""
         cfg = model.config
         module = cpu_decode.load()
-        if module is None or cfg.qk_norm not in ("none", "head") or cfg.clip_qkv is not None:
+        if module is None or cfg.clip_qkv is not None:
             return False
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -105,8 +105,10 @@ class CpuStack:
                 "in_norm": layer.input_layernorm.weight, "in_eps": layer.input_layernorm.eps,
                 "post_norm": layer.post_attention_layernorm.weight, "post_eps": layer.post_attention_layernorm.eps,
                 "qkv": qkv, "o": o, "fused_in": fused_in,
-                "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
-                "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
+                "q_norm": attn.q_norm.weight if cfg.qk_norm == "head" else None,
+                "k_norm": attn.k_norm.weight if cfg.qk_norm == "head" else None,
+                "q_norm_full": attn.q_norm.weight if cfg.qk_norm == "full" else None,
+                "k_norm_full": attn.k_norm.weight if cfg.qk_norm == "full" else None,
                 "qk_eps": attn.q_norm.eps if attn.q_norm is not None else 0.0,
                 "gu": gu, "down": down, "gu_packed": small_m.packed(gu), "down_packed": small_m.packed(down),
                 "shared_down": shared_down,

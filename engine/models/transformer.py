@@ -165,11 +165,10 @@ class Attention(nn.Module):
 
     def _fused_cpu(self, x: torch.Tensor, kv) -> bool:
         """Whether the packed tokens take the fused C++ attention (kernels.cpu_decode): CPU fp32, an fp32 cache, no
-        qk-norm over the whole projection, no qkv clip."""
+        qkv clip (a qk-norm over the whole projection, OLMoE's, runs as F.rms_norm on the projection first)."""
         cfg = self.cfg
         return (
-            cfg.qk_norm in ("none", "head")
-            and cfg.clip_qkv is None
+            cfg.clip_qkv is None
             and kv.k.dtype == torch.float32
             and cpu_decode.applies(x)
         )
@@ -178,10 +177,17 @@ class Attention(nn.Module):
         """x [N, D] packed tokens -> [N, D], writing their K/V into the cache first."""
         if self._fused_cpu(x, kv):  # qk-norm, RoPE, K/V write and attention in one call
             w, b = self._fused_qkv()
-            qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            proj = linear(x, w, b, pack=True)  # [N, (H + 2Hkv) hd]
+            qn = kn = None
+            if self.cfg.qk_norm == "full":  # over the whole q and k projections, before the call
+                q, k = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+                proj[:, :q] = self.q_norm(proj[:, :q])
+                proj[:, q : q + k] = self.k_norm(proj[:, q : q + k])
+            elif self.q_norm is not None:
+                qn, kn = self.q_norm.weight, self.k_norm.weight
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             mask = None if batch.attn_mask is None else batch.attn_mask.contiguous()
-            out = cpu_decode.attention(linear(x, w, b, pack=True), cos, sin, qn, kn, eps, kv.k[layer], kv.v[layer],
+            out = cpu_decode.attention(proj, cos, sin, qn, kn, eps, kv.k[layer], kv.v[layer],
                                        batch.write_slots, batch.pad_index.contiguous(), batch.read_slots.contiguous(),
                                        mask, self.cfg.num_heads, self.cfg.num_kv_heads)  # fmt: skip
             return linear(out, self.o_proj.weight, self.o_proj.bias, pack=True)

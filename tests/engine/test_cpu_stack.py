@@ -29,6 +29,7 @@ CASES = [  # shared expert (gated, qkv bias), top-1 tied, per-head qk-norm, GQA 
     ("qwen3_moe", dict(num_experts_per_tok=3, norm_topk_prob=True, num_key_value_heads=4)),
     ("mixtral", {}),
     ("mixtral", dict(num_experts_per_tok=1, tie_word_embeddings=True)),
+    ("olmoe", {}),  # qk-norm over the whole q and k projections
 ]
 
 
@@ -220,10 +221,11 @@ def test_the_stack_follows_weight_updates_and_the_packing_switch():
 
 
 @pytest.mark.parametrize(
-    ("model_type", "over"), [("qwen2_moe", dict(mlp_only_layers=[0])), ("olmoe", {})], ids=["dense-layer", "olmoe"]
+    ("model_type", "over"), [("qwen2_moe", dict(mlp_only_layers=[0])), ("olmoe", dict(clip_qkv=0.5))],
+    ids=["dense-layer", "qkv-clip"],
 )
 def test_models_the_stack_does_not_take(model_type, over):
-    """A dense MLP layer, OLMoE's qk-norm over the whole projection: never built, the per-op path runs."""
+    """A dense MLP layer, a qkv clip: never built, the per-op path runs."""
     model = model_of(model_type, over)
     batch, kv = batch_of(model, "chain-3")
     run(model, batch, kv)
@@ -294,3 +296,19 @@ def test_engine_tokens_with_the_stack_equal_the_per_op_path():
     with per_op():
         assert tokens() == got
     assert got[1] == got[0] and got[2] == got[0]
+
+
+@pytest.mark.parametrize(("model_type", "over"), CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
+def test_stack_matches_the_plain_torch_forward(model_type, over):
+    """A cached prompt of 20 tokens through the stack = `Model.logits`'s torch ops to 1e-5 (the family's reference,
+    itself matched to transformers in test_model_parity)."""
+    model = model_of(model_type, over, seed=4)
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
+    kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16)
+    kv.add_sequence(0)
+    kv.reserve(0, 20)
+    slots = kv.slots(0, range(20))
+    with no_per_op_attention(), torch.inference_mode():
+        got = model.forward_batch(pack([chain_item(ids[0], slots[:0], slots)], model.device), kv).logits
+    torch.testing.assert_close(got, model.logits(ids)[0], rtol=1e-5, atol=1e-5)
