@@ -44,8 +44,9 @@ def _packing() -> bool | None:
 
 
 def _weights_state(model, blocks: list) -> tuple:
-    """What decides whether the stack takes a model's weights: their dtype and device, each block's stored experts."""
-    return model.dtype, model.device, tuple(b.experts.gate_up_proj.shape[0] for b in blocks)
+    """What decides whether the stack takes a model's weights: their dtypes and device, each block's stored experts."""
+    dtypes = frozenset(p.dtype for p in model.parameters())
+    return dtypes, model.device, tuple(b.experts.gate_up_proj.shape[0] for b in blocks)
 
 
 class _Refused:
