@@ -47,20 +47,10 @@ torch::Tensor attention(const torch::Tensor& proj, const torch::Tensor& cos, con
   check(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && sin_signed.sizes() == cos.sizes() &&
             rd <= hd && rd % 2 == 0,
         "cos, sin_signed [n, rd <= hd] contiguous");
-  check(write_slots.numel() == n && write_slots.scalar_type() == torch::kLong && write_slots.is_contiguous() &&
-            read_slots.dim() == 2 && read_slots.size(0) == B && read_slots.is_contiguous() &&
-            read_slots.scalar_type() == torch::kLong && pad_index.dim() == 2 && pad_index.is_contiguous() &&
-            pad_index.scalar_type() == torch::kLong,
-        "write_slots [n], pad_index [B, Tq], read_slots [B, S] int64");
-  check(!mask || (mask->dim() == 3 && mask->size(0) == B && mask->size(1) == Tq && mask->size(2) == S &&
-                  mask->is_contiguous() && mask->scalar_type() == torch::kBool),
-        "mask [B, Tq, S] contiguous bool");
   check(!q_norm || (q_norm->numel() == hd && k_norm && k_norm->numel() == hd), "q_norm, k_norm [hd] together");
-  const int64_t slots = k_cache.size(0);
+  d::check_batch("cpu_decode.attention", n, k_cache.size(0), write_slots, pad_index, read_slots, mask);
   const int64_t* ws = write_slots.data_ptr<int64_t>();
   const int64_t* RS = read_slots.data_ptr<int64_t>();
-  for (int64_t j = 0; j < B * S; ++j) TORCH_CHECK(RS[j] >= 0 && RS[j] < slots, "cpu_decode.attention: read slot out of range");
-  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(ws[t] >= 0 && ws[t] < slots, "cpu_decode.attention: write slot out of range");
   auto out = torch::zeros({n, H * hd}, proj.options());
   d::attention_core(proj.data_ptr<float>(), n, proj.size(1), cos.data_ptr<float>(), sin_signed.data_ptr<float>(), rd,
                     rd, q_norm ? q_norm->data_ptr<float>() : nullptr, k_norm ? k_norm->data_ptr<float>() : nullptr,
@@ -117,12 +107,10 @@ torch::Tensor moe_decode(const torch::Tensor& x, const torch::Tensor& gu, const 
                   shared_in->size(1) == 2 * se.Fs + (shared_gated ? 1 : 0),
               "shared_in [T, 2Fs (+1)]");
   }
-  const int64_t S = expertspec::kStrip;
   auto packed_of = [&](const c10::optional<torch::Tensor>& p, std::vector<int64_t> lead, int64_t out,
                        int64_t in) -> const float* {
     if (!p || !p->defined()) return static_cast<const float*>(nullptr);
-    lead.insert(lead.end(), {(out + S - 1) / S, in, S});
-    check_moe(p->sizes() == c10::IntArrayRef(lead) && p->is_contiguous() && p->scalar_type() == torch::kFloat,
+    check_moe(d::is_packed(*p, std::move(lead), out, in),
               "packed weights [..., ceil(out / S), in, S] contiguous fp32 (kernels.small_m.pack)");
     return p->data_ptr<float>();
   };

@@ -330,6 +330,34 @@ inline void route_core(const float* lg, int64_t T, int64_t E, int64_t ld, int64_
   }
 }
 
+// Whether p is the strip-packed copy (kernels.small_m.pack) of a weight [lead..., out, in]: [lead..., ceil(out / S),
+// in, S] contiguous fp32.
+inline bool is_packed(const torch::Tensor& p, std::vector<int64_t> lead, int64_t out, int64_t in) {
+  lead.insert(lead.end(), {(out + kStrip - 1) / kStrip, in, kStrip});
+  return p.sizes() == c10::IntArrayRef(lead) && p.is_contiguous() && p.scalar_type() == torch::kFloat;
+}
+
+// The index tensors of n packed tokens over a cache of `slots` slots, what attention_core reads: write_slots [n],
+// pad_index [B, Tq], read_slots [B, S] contiguous int64 with every slot in range, mask [B, Tq, S] contiguous bool or
+// none. `who` opens each error message.
+inline void check_batch(const char* who, int64_t n, int64_t slots, const torch::Tensor& write_slots,
+                        const torch::Tensor& pad_index, const torch::Tensor& read_slots,
+                        const c10::optional<torch::Tensor>& mask) {
+  const int64_t B = pad_index.size(0), Tq = pad_index.size(1), S = read_slots.size(1);
+  TORCH_CHECK(write_slots.numel() == n && write_slots.is_contiguous() && write_slots.scalar_type() == torch::kLong &&
+                  pad_index.dim() == 2 && pad_index.is_contiguous() && pad_index.scalar_type() == torch::kLong &&
+                  read_slots.dim() == 2 && read_slots.size(0) == B && read_slots.is_contiguous() &&
+                  read_slots.scalar_type() == torch::kLong,
+              who, ": write_slots [n], pad_index [B, Tq], read_slots [B, S] contiguous int64");
+  TORCH_CHECK(!mask || (mask->dim() == 3 && mask->size(0) == B && mask->size(1) == Tq && mask->size(2) == S &&
+                        mask->is_contiguous() && mask->scalar_type() == torch::kBool),
+              who, ": mask [B, Tq, S] contiguous bool");
+  const int64_t* ws = write_slots.data_ptr<int64_t>();
+  const int64_t* rs = read_slots.data_ptr<int64_t>();
+  for (int64_t j = 0; j < B * S; ++j) TORCH_CHECK(rs[j] >= 0 && rs[j] < slots, who, ": read slot out of range");
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(ws[t] >= 0 && ws[t] < slots, who, ": write slot out of range");
+}
+
 // y [M, N] (row stride N) = x [M, K] (row stride ldx) W^T (+ bias): from W's strip-packed copy P [ceil(N / S), K, S]
 // for M <= 64 (blocks of 16 rows per strip), or from the input-major wt [K, N] (row stride ldw) for M <= 16 — what
 // kernels/small_m.cpp's two entry points compute, the same bits.

@@ -35,15 +35,16 @@ struct Linear {
   c10::optional<torch::Tensor> bias;
   int64_t N = 0, K = 0;
 
-  // y [M, N] = x [M, K] W^T (+ b); x: a tensor's rows (row stride ldx), as BLAS would be handed them
-  void run(const torch::Tensor& x, int64_t M, float* y) const {
+  // y [M, N] = x [M, K] W^T (+ b); x: a tensor (rows contiguous), as BLAS would be handed it
+  void run(const torch::Tensor& x, float* y) const {
+    const int64_t M = x.size(0);
     const float* b = bias ? bias->data_ptr<float>() : nullptr;
     if (P.defined() || (wt.defined() && M <= kMaxBlock)) {
       d::linear_rows(x.data_ptr<float>(), M, K, x.stride(0), P.defined() ? P.data_ptr<float>() : nullptr,
                      wt.defined() ? wt.data_ptr<float>() : nullptr, wt.defined() ? wt.stride(0) : 0, N, b, y);
       return;
     }
-    const torch::Tensor out = at::linear(x.narrow(0, 0, M), W, bias);
+    const torch::Tensor out = at::linear(x, W, bias);
     std::copy_n(out.data_ptr<float>(), M * N, y);
   }
 };
@@ -73,9 +74,7 @@ inline Linear make_linear(const py::dict& spec, const char* name) {
   const py::object packed = spec["packed"];
   if (!packed.is_none()) {
     lin.P = fp32(packed, name);
-    check(lin.P.dim() == 3 && lin.P.size(0) == (lin.N + kStrip - 1) / kStrip && lin.P.size(1) == lin.K &&
-              lin.P.size(2) == kStrip && lin.P.is_contiguous(),
-          std::string(name) + ": packed [ceil(N / S), K, S] contiguous");
+    check(d::is_packed(lin.P, {}, lin.N, lin.K), std::string(name) + ": packed [ceil(N / S), K, S] contiguous");
   }
   if (spec["sweep"].cast<bool>()) {
     check(lin.W.stride(0) == 1, std::string(name) + ": the sweep reads an input-major weight");
@@ -179,19 +178,10 @@ class DecoderStack {
               k_all.scalar_type() == torch::kFloat && v_all.scalar_type() == torch::kFloat,
           "k / v cache storage [L, slots, Hkv, hd] contiguous fp32");
     const int64_t B = pad_index.size(0), Tq = pad_index.size(1), S = read_slots.size(1), slots = k_all.size(1);
-    check(write_slots.numel() == n && write_slots.is_contiguous() && write_slots.scalar_type() == torch::kLong &&
-              pad_index.dim() == 2 && pad_index.is_contiguous() && pad_index.scalar_type() == torch::kLong &&
-              read_slots.dim() == 2 && read_slots.size(0) == B && read_slots.is_contiguous() &&
-              read_slots.scalar_type() == torch::kLong,
-          "write_slots [n], pad_index [B, Tq], read_slots [B, S] contiguous int64");
-    check(!mask || (mask->dim() == 3 && mask->size(0) == B && mask->size(1) == Tq && mask->size(2) == S &&
-                    mask->is_contiguous() && mask->scalar_type() == torch::kBool),
-          "mask [B, Tq, S] contiguous bool");
+    d::check_batch("cpu_decode.DecoderStack", n, slots, write_slots, pad_index, read_slots, mask);
     const int64_t* ws = write_slots.data_ptr<int64_t>();
     const int64_t* RS = read_slots.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
-    for (int64_t j = 0; j < B * S; ++j) check(RS[j] >= 0 && RS[j] < slots, "read slot out of range");
-    for (int64_t t = 0; t < n; ++t) check(ws[t] >= 0 && ws[t] < slots, "write slot out of range");
     for (int64_t t = 0; t < n; ++t) check(pos[t] >= 0 && pos[t] < P, "position out of the RoPE table");
     for (int64_t c : capture) check(c >= 0 && c <= nl, "capture layer out of range");
 
@@ -213,7 +203,7 @@ class DecoderStack {
                            h.data(), X);
       if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.push_back(copy(h, n, D, opts));
       const torch::Tensor proj = torch::empty({n, l.qkv.N}, opts);
-      l.qkv.run(x, n, proj.data_ptr<float>());
+      l.qkv.run(x, proj.data_ptr<float>());
       if (l.q_norm_full) {  // RMSNorm over the whole q and k projections, as the per-op path's F.rms_norm
         const int64_t q = H_ * hd_, k = Hkv_ * hd_;
         proj.narrow(1, 0, q).copy_(at::rms_norm(proj.narrow(1, 0, q), {q}, *l.q_norm_full, l.qk_eps));
@@ -226,11 +216,11 @@ class DecoderStack {
                         k_all.data_ptr<float>() + i * layer_slots, v_all.data_ptr<float>() + i * layer_slots, hd_, ws,
                         RS, B, S, pad_index.data_ptr<int64_t>(), Tq, mask ? mask->data_ptr<bool>() : nullptr, H_,
                         Hkv_, A);
-      l.o.run(attn, n, o.data());
+      l.o.run(attn, o.data());
       d::add_rms_norm_rows(h.data(), o.data(), l.post_norm.data_ptr<float>(), l.post_eps, n, D, h.data(), X);
       const int64_t width = l.fused_in.N;
       fin.resize(n * width);
-      l.fused_in.run(x, n, fin.data());
+      l.fused_in.run(x, fin.data());
       auto w = torch::empty({n, l.r}, opts);
       auto ids = torch::empty({n, l.r}, opts.dtype(torch::kLong));
       d::route_core(fin.data(), n, l.E, width, l.r, l.norm_topk, w.data_ptr<float>(), ids.data_ptr<int64_t>());
@@ -267,7 +257,7 @@ class DecoderStack {
                          hidden.data_ptr<float>());
     if (std::find(capture.begin(), capture.end(), nl) != capture.end()) captured.push_back(h_out);
     auto logits = torch::empty({n, lm_head_.N}, opts);
-    lm_head_.run(hidden, n, logits.data_ptr<float>());
+    lm_head_.run(hidden, logits.data_ptr<float>());
     return {logits, hidden, h_out, captured, ids_out, weights_out, logits_out};
   }
 
@@ -294,14 +284,10 @@ class DecoderStack {
               (l.gu.stride(1) == 1 || l.gu.stride(2) == 1) && (l.down.stride(1) == 1 || l.down.stride(2) == 1),
           "experts gu [E, 2F, D], down [E, D, F], row-major or input-major");
     const int64_t F = l.down.size(2);
-    auto packed_ok = [&](const c10::optional<torch::Tensor>& p, int64_t lead, int64_t out, int64_t in) {
-      if (!p) return true;
-      std::vector<int64_t> shape;
-      if (lead) shape.push_back(lead);
-      shape.insert(shape.end(), {(out + kStrip - 1) / kStrip, in, kStrip});
-      return p->sizes() == c10::IntArrayRef(shape) && p->is_contiguous() && p->scalar_type() == torch::kFloat;
+    auto packed_ok = [](const c10::optional<torch::Tensor>& p, std::vector<int64_t> lead, int64_t out, int64_t in) {
+      return !p || d::is_packed(*p, std::move(lead), out, in);
     };
-    check(packed_ok(l.gu_p, l.E, 2 * F, D) && packed_ok(l.down_p, l.E, D, F), "packed experts");
+    check(packed_ok(l.gu_p, {l.E}, 2 * F, D) && packed_ok(l.down_p, {l.E}, D, F), "packed experts");
     check(l.r >= 1 && l.r <= l.E, "1 <= top_r <= E");
     int64_t Fs = 0;
     if (l.shared_down) {
@@ -310,7 +296,7 @@ class DecoderStack {
                 (l.shared_down->stride(0) == 1 || l.shared_down->stride(1) == 1),
             "shared_down [D, Fs] fp32");
       Fs = l.shared_down->size(1);
-      check(packed_ok(l.shared_down_p, 0, D, Fs), "packed shared_down");
+      check(packed_ok(l.shared_down_p, {}, D, Fs), "packed shared_down");
     }
     check(l.fused_in.K == D && l.fused_in.N == l.E + 2 * Fs + (l.shared_down && l.gated ? 1 : 0),
           "fused input [E + 2 Fs (+1), D]");

@@ -70,12 +70,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack
     w's strip-packed copy (`packed`: built on the first call and kept on w; the input-major sweep's bits) when there
     is one, then for up to MAX_PACKED_ROWS rows and whatever w's layout (a row-major w, which the sweep does not
     take, then gets the sweep's bits instead of BLAS's: ~1e-6 relative apart)."""
-    if pack and x.dim() == 2 and supports(x, w, b, MAX_PACKED_ROWS, packed=True):
-        p = packed(w)
+    if x.dim() == 2 and supports(x, w, b, MAX_PACKED_ROWS if pack else MAX_ROWS, packed=pack):
+        p = packed(w) if pack else None
         if p is not None:  # up to 64 rows
             return _state["module"].small_m_linear_packed(x, p, w.shape[0], b)
-    if x.dim() == 2 and supports(x, w, b):
-        return _state["module"].small_m_linear(x, w.t(), b)
+        if x.shape[0] <= MAX_ROWS and w.stride(0) == 1:  # what `supports` asks of the sweep beyond the packed copy
+            return _state["module"].small_m_linear(x, w.t(), b)
     return F.linear(x, w, b)
 
 
