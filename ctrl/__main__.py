@@ -33,6 +33,8 @@ from ctrl.config import MainConf
 from ctrl.pipeline import check_conf, record_traces
 from ctrl.report import markdown_report, plot_all, plot_headroom
 from ctrl.stages import run_cost_stages
+from env.costs import CostConf, drafter_spec_name
+from env.models import NGRAM_DRAFTER
 
 
 def boundary(cost, conf: MainConf) -> str:
@@ -40,9 +42,11 @@ def boundary(cost, conf: MainConf) -> str:
     from env.cost_offload import cache_slots
 
     m, w = conf.models, conf.workloads
+    lookup = str(m.drafter) == NGRAM_DRAFTER
+    drafter_name = "prompt lookup (n-gram, model-free)" if lookup else f"zoo/{m.drafter}"
     common = (
         f"Replay of recorded {'greedy' if w.temperature == 0 else f'drafter-invariant sampled (T={w.temperature})'} "
-        f"traces: target zoo/{m.target}, drafter zoo/{m.drafter}; {w.test} held-out prompts × {w.max_new_tokens} "
+        f"traces: target zoo/{m.target}, drafter {drafter_name}; {w.test} held-out prompts × {w.max_new_tokens} "
         "tokens; exact methods (every policy commits the target's own tokens). Static baselines: the best single "
         f"action of the whole grid chosen on the {w.train} training prompts (static-best-train) or on the "
         "held-out prompts themselves (static-best-test). Unit of committed/cost: tokens per second of cost. "
@@ -50,8 +54,10 @@ def boundary(cost, conf: MainConf) -> str:
     )
     transfer = (f" Learned policies: trained under {cost.policies_from}, evaluated here unchanged (a transfer "
                 "result)." if cost.policies_from else "")  # fmt: skip
-    drafter = (f"routing of the priced model from the identity-keyed synthetic router, drafter priced as an "
-               f"EAGLE-3-style head ({cost.drafter_spec}), resident")  # fmt: skip
+    spec_name = drafter_spec_name(CostConf(drafter_spec=cost.drafter_spec), str(m.drafter), cost.model_spec)
+    drafter = ("routing of the priced model from the identity-keyed synthetic router, drafter priced as "
+               + (f"host-side prompt lookup ({spec_name}: no device forward)" if spec_name == "prompt_lookup"
+                  else f"an EAGLE-3-style head ({cost.drafter_spec}), resident"))  # fmt: skip
     if cost.kind == "roofline":
         return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} (experts resident, one device, no "
                 f"EP), {drafter}. " + common + transfer)  # fmt: skip

@@ -114,7 +114,7 @@ def train_policy(
 
         regrets = aggrevate(model.policy, raw, [e.unwrapped.requests for e in raw], iterations=algo.iterations,
                             epochs=algo.epochs, lr=algo.imitation_lr, seed=seed, progress=progress,
-                            expert=algo.expert)  # fmt: skip
+                            expert=algo.expert, entropy=algo.imitation_entropy)  # fmt: skip
         if run is not None:
             for i, r in enumerate(regrets):
                 run.log({"losses/aggrevate_regret": r, "charts/iteration": i})

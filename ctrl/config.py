@@ -24,6 +24,7 @@ class AlgoConf:
     expert: str = "static"
     epochs: int = 30  # AggreVaTe: passes over the aggregated states per round
     imitation_lr: float = 3e-3
+    imitation_entropy: float = 0.01  # AggreVaTe: α of the −α·H(π) term (tokens of regret; ctrl/aggrevate.py)
     total_timesteps: int = 30_000
     n_envs: int = 4
     n_steps: int = 256

@@ -97,6 +97,13 @@ def check_conf(conf: MainConf) -> None:
             raise ValueError(f"unknown learner {learner!r}; choose from {ALGOS}")
     if conf.algo.expert not in EXPERTS:
         raise ValueError(f"algo.expert must be one of {EXPERTS}, got {conf.algo.expert!r}")
+    if conf.algo.imitation_entropy < 0:
+        raise ValueError(f"algo.imitation_entropy must be >= 0, got {conf.algo.imitation_entropy}")
+    from env.models import NGRAM_DRAFTER
+
+    if str(conf.models.drafter) == NGRAM_DRAFTER and conf.models.predictor:
+        raise ValueError(f"models.drafter=ngram (prompt lookup) has no hidden states for the expert predictor "
+                         f"{conf.models.predictor!r}: pass models.predictor=null")  # fmt: skip
     for name in conf.policies:
         if name not in POLICY_FACTORIES:
             raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICY_FACTORIES)}")

@@ -42,6 +42,7 @@ from engine.cost.drafter_cost import (
 from engine.cost.fitted import CostSample, DecodeVerifyCost, fit_two_regimes
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
 from env.cost_model import CostModel, RooflineCostModel, RoundCost
+from env.models import NGRAM_DRAFTER
 
 __all__ = ["CostConf", "CostModel", "FittedCostModel", "RooflineCostModel", "RoundCost", "make_cost_model"]
 
@@ -56,7 +57,8 @@ class CostConf:
     kind: str = "roofline"  # roofline | fitted | roofline-offload | roofline-ep
     hardware: str = "h100"  # conf/hardware/<name>.yaml (roofline*)
     model_spec: str = "qwen3_30b_a3b"  # conf/model_spec/<name>.yaml, or "target" (the recorded target)
-    drafter_spec: str = "auto"  # conf/drafter_spec/<name>.yaml; auto: <model_spec>_eagle3 (or _mtp for MTP heads)
+    drafter_spec: str = "auto"  # conf/drafter_spec/<name>.yaml; auto: <model_spec>_eagle3 (_mtp for MTP heads,
+    # prompt_lookup for the n-gram drafter)
     router_seed: int = 0  # identity-keyed synthetic routing (model spec != target shape)
     offload_cache: float = 0.25  # roofline-offload: device cache slots per MoE layer, a fraction of the experts
     offload_policy: str = "lru"  # roofline-offload: lru | lfu (engine.offload.cache)
@@ -149,6 +151,8 @@ class FittedCostModel(CostModel):
 def drafter_spec_name(conf: CostConf, drafter_name: str | None, model_spec: str) -> str:
     if conf.drafter_spec != "auto":
         return conf.drafter_spec
+    if drafter_name and drafter_name.split("+")[0] == NGRAM_DRAFTER:
+        return "prompt_lookup"  # model-free: the same host-side lookup whatever the priced model
     kind = "mtp" if drafter_name and "mtp" in drafter_name else "eagle3"
     return f"{model_spec}_{kind}"
 
@@ -170,6 +174,8 @@ def make_cost_model(
         spec = model_spec_from_hf_config(cfg, name="target")
         head = drafter_spec_from_hf_config(cfg, "eagle3", "target_head")  # a one-layer head at the target's size (zoo)
         drafter = conf.drafter_spec if conf.drafter_spec != "auto" else head
+        if conf.drafter_spec == "auto" and drafter_name and drafter_name.split("+")[0] == NGRAM_DRAFTER:
+            drafter = "prompt_lookup"
     else:
         spec = load_model_spec(conf.model_spec)
         drafter = drafter_spec_name(conf, drafter_name, conf.model_spec)

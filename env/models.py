@@ -2,6 +2,7 @@
 
     target, drafter, info = load_models("tiny-moe", "eagle-head", predictor="expert-predictor")
     target, drafter, info = load_models("tiny-moe-fine", "mtp", predictor=None)   # the target's own MTP module
+    target, drafter, info = load_models("tiny-moe", "ngram", predictor=None)       # prompt lookup, model-free
 
 `drafter` is an `engine.drafting` Drafter ready for `engine.Engine(target, drafter=drafter)` (a feature-head
 folder, a dense HF folder, or None); `info` names both with their weight digests (SHA-256 of the
@@ -25,6 +26,8 @@ from engine.models.feature_heads import target_digest
 from engine.paths import repo_relative, zoo_dir
 
 MTP_DRAFTER = "mtp"  # drafter name of a target's own MTP module (engine.drafting.make)
+NGRAM_DRAFTER = "ngram"  # prompt lookup (engine.drafting.ngram): no weights, no predictor
+NGRAM_DIGEST = "ngram-max4-min1"  # its "weights": the drafter's defaults (max_ngram 4, min_ngram 1)
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,19 @@ def load_models(
 ) -> tuple[engine.Model, Any, ModelInfo]:
     """(target Model, Drafter or None, ModelInfo). drafter: a feature-head folder (EAGLE / MTP), a dense HF
     folder, "mtp" (the MTP module inside the target's own checkpoint: DeepSeek-V3 / GLM-4.5, zoo/tiny-moe-fine;
-    its path and digest are the target folder's), or None; predictor: an expert-predictor folder for λ > 0, or None."""
+    its path and digest are the target folder's), "ngram" (prompt lookup: no weights, so no digest; a predictor
+    is refused, since it reads a model drafter's hidden states), or None; predictor: an expert-predictor folder for
+    λ > 0, or None."""
+    if str(drafter) == NGRAM_DRAFTER and predictor:
+        raise ValueError(f"the n-gram drafter has no hidden states for the expert predictor {predictor!r}: "
+                         "pass predictor=null (models.predictor=null)")  # fmt: skip
     target_path = resolve_model_path(target)
     model = engine.load_model(target_path, dtype=dtype)
     drafter_obj = drafter_path = pred_path = None
     mtp = str(drafter) == MTP_DRAFTER
-    if drafter is not None and str(drafter) != "":
+    if str(drafter) == NGRAM_DRAFTER:
+        drafter_obj = make_drafter(NGRAM_DRAFTER, model)
+    elif drafter is not None and str(drafter) != "":
         pred_path = resolve_model_path(predictor) if predictor else None
         options = {"predictor": str(pred_path)} if pred_path is not None else {}
         if mtp:  # the MTP module shipped in the target's own folder (engine.drafting.mtp_drafter)
@@ -112,13 +122,15 @@ def load_models(
             else:
                 drafter_obj = make_drafter(str(drafter_path), model, **options)
     name = "none" if drafter_path is None else (MTP_DRAFTER if mtp else drafter_path.name)
+    if drafter_obj is not None and drafter_path is None:
+        name = NGRAM_DRAFTER
     name += f"+{pred_path.name}" if pred_path else ""
     info = ModelInfo(
         target_path=str(target_path),
         target_digest=target_digest(model),
         drafter_name=name,
         drafter_path=None if drafter_path is None else str(drafter_path),
-        drafter_digest=folder_digest(drafter_path),
+        drafter_digest=folder_digest(drafter_path) if drafter_path is not None or drafter_obj is None else NGRAM_DIGEST,
         predictor_path=None if pred_path is None else str(pred_path),
         predictor_digest=folder_digest(pred_path),
     )

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.drafting.ngram import NGramDrafter
 from engine.drafting.protocol import MAX_TREE_NODES
 from engine.paths import cache_dir
 from engine.spec.config import MAX_DEPTH, MAX_WIDTH
@@ -167,8 +168,9 @@ def _locate(conf: RecordConf, target, drafter, info: ModelInfo, prompts: Sequenc
     """(prompt token ids, workload slug, trace key, trace path) of a recording; clear errors for a drafter that
     cannot record."""
     if drafter is None:
-        raise ValueError("recording needs a drafter (a feature-head or dense drafter folder)")
-    if getattr(drafter, "model", None) is None and not hasattr(drafter, "head"):
+        raise ValueError("recording needs a drafter (a feature-head or dense drafter folder, or ngram)")
+    model_free = isinstance(drafter, NGramDrafter)  # deterministic prompt lookup records as a model drafter does
+    if getattr(drafter, "model", None) is None and not hasattr(drafter, "head") and not model_free:
         raise ValueError(f"recording needs a model drafter with deterministic children, got {type(drafter).__name__}")
     if prompts is None:
         prompt_ids, slug = load_prompts(conf, target.tokenizer)

@@ -34,6 +34,8 @@ import numpy as np
 
 from engine.cost.roofline import LAUNCHES_PER_FORWARD, LAUNCHES_PER_LAYER, HardwareProfile, _load_yaml_dataclass
 
+DRAFTER_KINDS = ("eagle3", "mtp", "dense", "lookup")
+
 
 @dataclass(frozen=True)
 class DrafterSpec:
@@ -41,8 +43,10 @@ class DrafterSpec:
 
     kind: "eagle3" (fusion of 3 target features, q/k/v over [embedding; feature] = 2D inputs, a reduced
     draft vocabulary) or "mtp" (DeepSeek-V3 multi-token prediction module: 2D -> D projection, the full
-    shared LM head) or "dense" (a small independent model: no fusion). `intermediate_size` is the FFN read
-    per step (an MoE MTP layer: its active experts' width).
+    shared LM head) or "dense" (a small independent model: no fusion) or "lookup" (prompt lookup / n-gram,
+    engine.drafting.ngram: no device forward at all, `host_seconds` of host work per drafting round; the
+    shape fields are unused). `intermediate_size` is the FFN read per step (an MoE MTP layer: its active
+    experts' width).
     """
 
     name: str
@@ -60,11 +64,16 @@ class DrafterSpec:
     activation_bytes: float = 2.0
     compute_dtype: str = "bf16"
     attention_params: int | None = None  # per layer; default: GQA q/k/v/o over attention_input_mult·D inputs
+    host_seconds: float = 0.0  # kind "lookup": host time of one drafting round (no device forward)
     notes: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("eagle3", "mtp", "dense"):
-            raise ValueError(f"{self.name}: kind must be 'eagle3', 'mtp' or 'dense', got {self.kind!r}")
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        if self.host_seconds < 0:
+            raise ValueError(f"{self.name}: host_seconds must be >= 0, got {self.host_seconds}")
+        if self.kind == "lookup":
+            return
         if self.compute_dtype not in ("bf16", "fp8"):
             raise ValueError(f"{self.name}: compute_dtype must be 'bf16' or 'fp8', got {self.compute_dtype!r}")
         if min(self.num_layers, self.hidden_size, self.num_attention_heads, self.head_dim, self.lm_head_vocab) < 1:
@@ -145,6 +154,8 @@ class DrafterRoofline:
 
     def round_cost(self, depth: int, width: int, context_len: int, expert_aware: bool = False) -> float:
         """T_draft of one round drafting to `depth` with `width` (0 for depth 0)."""
+        if self.spec.kind == "lookup":
+            return self.spec.host_seconds if depth > 0 else 0.0
         sizes = draft_forward_sizes(depth, width, expert_aware)
         leaves = len(sizes) - 1 if expert_aware else None  # the leaves' feature step needs no LM head
         return sum(self.forward_cost(t, context_len + i, lm_head=(i != leaves)) for i, t in enumerate(sizes))

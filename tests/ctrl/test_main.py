@@ -337,6 +337,16 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="algo.expert"):
         check_conf(conf)
     conf = MainConf()
+    conf.algo.imitation_entropy = -0.5
+    with pytest.raises(ValueError, match="imitation_entropy"):
+        check_conf(conf)
+    conf = MainConf()
+    conf.models.drafter = "ngram"  # the default expert predictor reads a model drafter's hidden states
+    with pytest.raises(ValueError, match="predictor=null"):
+        check_conf(conf)
+    conf.models.predictor = None
+    check_conf(conf)
+    conf = MainConf()
     conf.workers = 0
     with pytest.raises(ValueError, match="workers must be >= 1"):
         check_conf(conf)
@@ -390,3 +400,31 @@ def test_aggrevate_static_expert_q(trained):
         ret, _ = static_returns(env, i)
         assert q[0, a_s] == pytest.approx(ret[a_s])  # episode return of a_s from the first position
         assert q[0].max() >= q[0, a_s] and np.all(q_star >= q - 1e-9)  # the oracle's future is the best one
+
+
+def test_aggrevate_entropy_term_keeps_the_optimum_interior():
+    """The expected regret is linear in π, so plain descent drives the logits apart without bound (saturation);
+    with −α·H(π) they converge to π ∝ exp(−regret/α), the least-regret action first. Negative α is refused."""
+    import torch
+
+    from ctrl.aggrevate import aggrevate, regret_loss
+
+    regret = torch.tensor([[0.0, 0.5, 2.0]])
+    gaps = {}
+    for alpha in (0.0, 0.5):
+        z = torch.zeros(1, 3, requires_grad=True)
+        opt = torch.optim.Adam([z], lr=0.1)
+        for step in range(3000):
+            opt.zero_grad()
+            regret_loss(torch.log_softmax(z, dim=1), regret, alpha).backward()
+            opt.step()
+            if step in (1499, 2999):
+                gaps.setdefault(alpha, []).append(float(z[0, 0] - z[0, 2]))
+        p = torch.softmax(z, dim=1)[0].detach()
+        assert int(p.argmax()) == 0
+        if alpha > 0:
+            assert torch.allclose(p, torch.softmax(-regret[0] / alpha, dim=0), atol=1e-3)
+    assert gaps[0.0][1] > gaps[0.0][0] + 0.5 > 8  # still growing: no finite minimiser
+    assert gaps[0.5] == pytest.approx([2.0 / 0.5] * 2, abs=0.05)  # converged to the regret gap / α
+    with pytest.raises(ValueError, match="entropy"):
+        aggrevate(None, [], [], entropy=-0.1)

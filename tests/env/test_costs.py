@@ -108,3 +108,24 @@ def test_node_router_consecutive_tokens_share_the_calibrated_overlap():
             shares.append(np.mean([len(set(x) & set(y)) / len(x) for x, y in zip(a.tolist(), b.tolist())]))
         lat = new
     assert abs(np.mean(shares) - target) < 0.06, np.mean(shares)
+
+
+def test_prompt_lookup_drafter_spec_prices_host_work_only():
+    """The n-gram drafter's spec: no device forward, `host_seconds` per drafting round, 0 at K = 0; `auto` picks it
+    for a trace recorded with drafter "ngram" whatever the priced model."""
+    from engine.cost.drafter_cost import DrafterSpec
+    from env.costs import CostConf, drafter_spec_name
+
+    spec = load_drafter_spec("prompt_lookup")
+    assert spec.kind == "lookup" and spec.host_seconds > 0
+    d = DrafterRoofline(load_hardware("h200"), spec)
+    assert d.round_cost(0, 1, 100) == 0.0
+    assert d.round_cost(1, 1, 100) == d.round_cost(8, 3, 4000, expert_aware=True) == spec.host_seconds
+    assert drafter_spec_name(CostConf(), "ngram", "qwen3_30b_a3b") == "prompt_lookup"
+    assert drafter_spec_name(CostConf(), "eagle-head+expert-predictor", "qwen3_30b_a3b") == "qwen3_30b_a3b_eagle3"
+    model = RooflineCostModel("h200", load_model_spec("qwen3_30b_a3b"), "prompt_lookup")
+    assert model.draft(4, 2, False, 100) == spec.host_seconds
+    with pytest.raises(ValueError, match="host_seconds"):
+        DrafterSpec("x", "lookup", 1, 1, 1, 1, 1, 1, 1, host_seconds=-1.0)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        DrafterSpec("x", "suffix", 1, 1, 1, 1, 1, 1, 1)

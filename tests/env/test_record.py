@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import engine
@@ -111,3 +112,49 @@ def test_record_entry_point_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "1 requests" in proc.stdout
     assert load_trace(out).num_requests == 1
+
+
+def test_prompt_lookup_drafter_records_and_replays(tmp_path):
+    """drafter "ngram": the trace holds the target's own continuation and, at every position, exactly the
+    prompt-lookup trees the engine's NGramDrafter drafts; replay prices them with the host-only lookup spec."""
+    from engine.drafting.suffix import suffix_continuations
+    from engine.runtime.action_grid import ActionGrid
+    from engine.spec.config import SpecConfig
+    from env.models import NGRAM_DIGEST, load_models
+    from env.replay import ReplayEnv
+
+    with pytest.raises(ValueError, match="predictor"):
+        load_models("tiny-moe", "ngram", "expert-predictor")
+    models = load_models("tiny-moe", "ngram", None)
+    assert models[2].drafter_name == "ngram" and models[2].drafter_digest == NGRAM_DIGEST
+    conf = RecordConf(max_new_tokens=24, widths=[1, 2], kmax=4, workload=WorkloadConf(name="code", n=2),
+                      out=str(tmp_path / "ng.npz"), calibrate_every=4, progress=False)  # fmt: skip
+    trace = record(conf, models=models)
+    eng = engine.Engine(models[0])
+    drafted = 0
+    for i in range(trace.num_requests):
+        prompt, cont = trace.prompt(i).tolist(), trace.continuation_of(i).tolist()
+        assert eng.generate([prompt], 24)[0].token_ids == cont
+        for t, p in enumerate(trace.positions_of(i)):
+            depth = min(conf.kmax, conf.max_new_tokens - t - 1)
+            for w, W in enumerate(trace.widths):
+                nodes = trace.tree_nodes[trace.tree_offsets[p * len(trace.widths) + w] : trace.tree_offsets[
+                    p * len(trace.widths) + w + 1]].astype(int) + trace.node_offsets[p]  # fmt: skip
+                tok, par = trace.node_token[nodes].tolist(), trace.node_parent[nodes].tolist()
+                paths = {}
+                for j in range(1, len(nodes)):
+                    paths[j] = paths.get(int(np.flatnonzero(nodes - trace.node_offsets[p] == par[j])[0]), ()) + (
+                        tok[j],)  # fmt: skip
+                leaves = {v for v in paths.values() if not any(o != v and o[: len(v)] == v for o in paths.values())}
+                want = suffix_continuations(prompt + cont[:t], depth, W) if depth > 0 else []
+                assert leaves == {tuple(c) for c in want}
+                drafted += len(nodes) - 1
+    assert drafted > 0  # the lookup found continuations to draft
+    grid = ActionGrid(depths=tuple(range(5)), widths=(1, 2), lams=(0.0,), rules=(("all", 0.0),))
+    env = ReplayEnv(trace, grid=grid, cost={"kind": "roofline", "hardware": "h200", "model_spec": "qwen3_30b_a3b"})
+    assert env.cost_model.drafter.spec.kind == "lookup"
+    host = env.cost_model.drafter.spec.host_seconds
+    assert env.cost_model.draft(4, 2, False, 10) == host and env.cost_model.draft(0, 1, False, 10) == 0.0
+    vec, _ = env.reset(options={"request": 0})
+    _, reward, *_ = env.step(env.codec.encode(grid.index(SpecConfig(depth=4, width=1))))
+    assert np.isfinite(reward)
