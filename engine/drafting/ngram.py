@@ -9,7 +9,7 @@ import torch
 from engine.drafting.protocol import DraftRequest
 from engine.drafting.suffix import suffix_continuations
 from engine.drafting.tree_growth import _node_budget
-from engine.spec.config import SpecConfig
+from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 
@@ -19,7 +19,9 @@ class NGramDrafter:
 
     For n from `max_ngram` down to `min_ngram`, find earlier positions where the last n committed
     tokens occurred; the continuations (most recent first, distinct first tokens become siblings)
-    form a tree of width <= W and depth <= K. No model, no KV; draft laws are point masses.
+    form a tree of width <= W and depth <= K. No model, no KV; draft laws are point masses. Continuations
+    are chosen as for a depth-MAX_DEPTH draft and cut to K, so a shallower tree is a prefix of a deeper one
+    (trace replay cuts recorded Kmax trees by depth: env.tables).
     """
 
     def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 1) -> None:
@@ -45,7 +47,8 @@ class NGramDrafter:
         pass
 
     def _continuations(self, tokens: list[int], depth: int, width: int) -> list[list[int]]:
-        return suffix_continuations(tokens, depth, width, self.max_ngram, self.min_ngram)
+        # chosen as for the deepest draft, then cut: a depth-K tree is the depth-K prefix of any deeper one
+        return suffix_continuations(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
 
     def draft(
         self,

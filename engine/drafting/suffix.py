@@ -8,26 +8,31 @@ from collections.abc import Iterator, Sequence
 
 
 def suffix_continuations(
-    tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1
+    tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1, select_depth: int | None = None
 ) -> list[list[int]]:
     """Up to `width` continuations (at most `depth` tokens) with distinct first tokens of the longest suffix
     of `tokens` (n = max_ngram .. min_ngram) that occurred earlier; per first token the longest continuation
-    (most recent on ties). [] when no suffix of length >= min_ngram recurs."""
+    (most recent on ties). [] when no suffix of length >= min_ngram recurs.
+
+    Lengths are compared up to `select_depth` (default `depth`) and the chosen continuations then cut to `depth`:
+    with a fixed `select_depth` >= depth the depth-K result is the depth-K prefix of the deeper ones (the
+    NGramDrafter's trees, which trace replay cuts by depth)."""
+    cap = depth if select_depth is None else max(select_depth, depth)
     T = len(tokens)
     for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
         suffix = tokens[T - n :]
         best: dict[int, list[int]] = {}
         for start in range(T - n - 1, -1, -1):  # most recent earlier match first
             if tokens[start : start + n] == suffix:
-                cont = tokens[start + n : start + n + depth]
+                cont = tokens[start + n : start + n + cap]
                 if cont and len(cont) > len(best.get(cont[0], [])):
                     if cont[0] not in best and len(best) == width:
                         continue
                     best[cont[0]] = cont
-                    if len(best) == width and min(map(len, best.values())) >= depth:
+                    if len(best) == width and min(map(len, best.values())) >= cap:
                         break  # nothing later can replace a full-length continuation
         if best:
-            return list(best.values())
+            return [c[:depth] for c in best.values()]
     return []
 
 

@@ -167,11 +167,7 @@ class Attention(nn.Module):
         """Whether the packed tokens take the fused C++ attention (kernels.cpu_decode): CPU fp32, an fp32 cache, no
         qkv clip (a qk-norm over the whole projection, OLMoE's, runs as F.rms_norm on the projection first)."""
         cfg = self.cfg
-        return (
-            cfg.clip_qkv is None
-            and kv.k.dtype == torch.float32
-            and cpu_decode.applies(x)
-        )
+        return cfg.clip_qkv is None and kv.k.dtype == torch.float32 and cpu_decode.applies(x)
 
     def forward_cached(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv, layer: int) -> torch.Tensor:
         """x [N, D] packed tokens -> [N, D], writing their K/V into the cache first."""

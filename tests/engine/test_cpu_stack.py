@@ -221,7 +221,8 @@ def test_the_stack_follows_weight_updates_and_the_packing_switch():
 
 
 @pytest.mark.parametrize(
-    ("model_type", "over"), [("qwen2_moe", dict(mlp_only_layers=[0])), ("olmoe", dict(clip_qkv=0.5))],
+    ("model_type", "over"),
+    [("qwen2_moe", dict(mlp_only_layers=[0])), ("olmoe", dict(clip_qkv=0.5))],
     ids=["dense-layer", "qkv-clip"],
 )
 def test_models_the_stack_does_not_take(model_type, over):

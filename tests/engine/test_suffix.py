@@ -22,3 +22,35 @@ def test_suffix_continuations_known_answers():
     assert suffix_continuations([1, 2, 3], 2, 1) == []
     # width 2: distinct first tokens, most recent match first
     assert suffix_continuations([7, 1, 7, 2, 7], 1, 2) == [[2], [1]]
+
+
+def test_ngram_drafter_trees_are_prefix_consistent_in_depth():
+    """A depth-K n-gram draft is the depth-K prefix of the depth-K' > K one (what trace replay assumes); without
+    a fixed selection depth the longest-continuation rule can pick another match for another K."""
+    import random
+
+    import torch
+
+    from engine.drafting.ngram import NGramDrafter
+    from engine.spec.config import SpecConfig
+    from engine.spec.sampling import SamplingParams
+
+    ctx = [5, 1, 2, 3, 9, 9, 9, 9, 1, 2, 3, 4, 1, 2]  # "1 2" recurs twice: most recent -> "3 4 ..", older -> "3 9 9 .."
+    assert suffix_continuations(ctx, 2, 1) == [[3, 4]] and suffix_continuations(ctx, 8, 1)[0][:2] == [3, 9]
+    assert suffix_continuations(ctx, 2, 1, select_depth=8) == [suffix_continuations(ctx, 8, 1)[0][:2]]
+    drafter, rng = NGramDrafter(vocab_size=32), random.Random(0)
+
+    def paths(tokens, k, w):
+        t = drafter.draft(0, tokens, SpecConfig(depth=k, width=w), SamplingParams(), torch.Generator())
+        tok, par = t.tokens.tolist(), t.parents.tolist()
+        out = {}
+        for i in range(1, len(tok)):
+            out[i] = out.get(par[i], ()) + (tok[i],)
+        return set(out.values())
+
+    for _ in range(200):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(2, 40))]
+        for w in (1, 2, 3):
+            deep = paths(tokens, 8, w)
+            for k in range(1, 8):
+                assert paths(tokens, k, w) == {p for p in deep if len(p) <= k}
