@@ -22,7 +22,8 @@ from ctrl.config import MainConf
 from ctrl.pipeline import evaluate, train
 from engine.paths import cache_dir
 
-POLICY_CACHE_VERSION = 3  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card)
+POLICY_CACHE_VERSION = 4  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card,
+# 4: AggreVaTe warm-started by behaviour cloning, best iteration kept)
 
 
 REGIME_FIELDS = {"roofline-offload": ("offload_cache", "offload_policy"), "roofline-ep": ("ep_ranks", "ep_placement")}
