@@ -124,6 +124,21 @@ def test_evaluate_on_request_under_the_offload_and_ep_regimes(smoke_run):
     assert "transfer result" in report
 
 
+def test_main_job_with_the_prompt_lookup_drafter(tmp_path):
+    """`python -m ctrl +experiment=ngram` (smoke budget): the model-free drafter records, trains, evaluates and
+    replays exactly on the live engine; its boundary says how drafting was priced."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ctrl", "+experiment=[main_smoke,ngram]", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((run / "results.json").read_text())
+    assert {r["policy"] for r in rows} >= FAMILIES
+    live = [r for r in rows if r["backend"] == "live"]
+    assert live and all(r["committed_per_cost"] == r["replay_committed_per_cost"] for r in live)  # live == replay
+    report = (run / "report.md").read_text()
+    assert "drafter prompt lookup (n-gram, model-free)" in report and "host-side prompt lookup" in report
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, smoke_run):
     """A frozen PPO policy trained for a few hundred steps on the smoke traces, and its SB3 model."""
@@ -310,6 +325,10 @@ def test_configs_compose():
     assert default.workloads.names == ["code", "prose", "chat", "math"] and len(default.seeds) >= 3
     assert smoke.seeds == [4] and smoke.algo.total_timesteps < default.algo.total_timesteps
     assert smoke.algo.learning_rate == default.algo.learning_rate  # presets change only what they name
+    with initialize_config_module(config_module="conf", version_base=None):
+        ngram = OmegaConf.to_object(compose(config_name="main", overrides=["+experiment=[main_smoke,ngram]"]))
+    assert ngram.models.drafter == "ngram" and ngram.models.predictor is None and ngram.seeds == default.seeds[:1]
+    check_conf(ngram)
 
 
 def test_bad_configuration_fails_before_any_work(tmp_path):
