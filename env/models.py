@@ -27,7 +27,8 @@ from engine.paths import repo_relative, zoo_dir
 
 MTP_DRAFTER = "mtp"  # drafter name of a target's own MTP module (engine.drafting.make)
 NGRAM_DRAFTER = "ngram"  # prompt lookup (engine.drafting.ngram): no weights, no predictor
-NGRAM_DIGEST = "ngram-max4-min1-sel16"  # its "weights": the defaults (max_ngram 4, min_ngram 1; chosen at depth 16)
+NGRAM_DIGEST = "ngram-max4-min1-sel16-scored"  # its "weights": the defaults (max_ngram 4, min_ngram 1), chosen at
+# depth 16, scored by match length and follower frequency (engine.drafting.ngram)
 
 
 @dataclass(frozen=True)

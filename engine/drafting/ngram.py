@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from engine.drafting.protocol import DraftRequest
-from engine.drafting.suffix import suffix_continuations
-from engine.drafting.tree_growth import _node_budget
+from engine.drafting.selection import select_verified
+from engine.drafting.suffix import SuffixMatch, suffix_match
+from engine.drafting.tree_growth import _node_budget, stored_cond
 from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
@@ -22,6 +24,13 @@ class NGramDrafter:
     form a tree of width <= W and depth <= K. No model, no KV; draft laws are point masses. Continuations
     are chosen as for a depth-MAX_DEPTH draft and cut to K, so a shallower tree is a prefix of a deeper one
     (trace replay cuts recorded Kmax trees by depth: env.tables).
+
+    Scores (`path_prob`, `confidence`; what the threshold and calibrated verification rules and a controller's
+    observation read; the verification itself uses the point masses): a continuation's first token x scores
+    (n / max_ngram) · (how often x followed the matched n-gram earlier / how often anything did), its d-th token
+    min(max_ngram, n + d - 1) / max_ngram, the suffix it then extends (SuffixDecoding 2411.04975 scores by
+    frequency; the match length is what predicts acceptance on the zoo: 22-40 % of first tokens after a
+    one-token match, 81-96 % after four). Path score = the product along the path.
     """
 
     def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 1) -> None:
@@ -46,9 +55,46 @@ class NGramDrafter:
     def commit(self, seq_id, tokens, tree, accepted, target_hidden=None) -> None:
         pass
 
-    def _continuations(self, tokens: list[int], depth: int, width: int) -> list[list[int]]:
+    def _match(self, tokens: list[int], depth: int, width: int) -> SuffixMatch:
         # chosen as for the deepest draft, then cut: a depth-K tree is the depth-K prefix of any deeper one
-        return suffix_continuations(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
+        return suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
+
+    def scores(self, match: SuffixMatch) -> list[list[float]]:
+        """Per continuation, the conditional score of each of its tokens (module docstring of `draft`)."""
+        total = sum(match.followers.values())
+        out = []
+        for cont in match.continuations:
+            row = [match.ngram / self.max_ngram * match.followers.get(cont[0], 0) / total] if cont else []
+            row += [min(self.max_ngram, match.ngram + d) / self.max_ngram for d in range(1, len(cont))]
+            out.append(row)
+        return out
+
+    @staticmethod
+    def _rule(tokens: list[int], spec: SpecConfig, tok: list[int], par: list[int], dep: list[int], pp: list[float]):
+        """The threshold / calibrated verification rule on a lookup tree, as trace replay applies it to the
+        recorded one (env.tables: the nodes, in drafting order, whose score clears the threshold and whose parent
+        was kept; confidence per depth = the largest stored conditional score kept there, up to the first depth
+        with none): threshold on the float32 path score, calibrated on the acceptance model's path probability."""
+        cond = [1.0] + [stored_cond(pp[j], pp[par[j]]) for j in range(1, len(tok))]
+        if spec.verify_rule == "threshold":
+            score, thr = [float(np.float32(x)) for x in pp], float(np.float32(spec.verify_threshold))
+        else:
+            if spec.acceptance is None:
+                raise ValueError("verify_rule 'calibrated' needs spec.acceptance (an AcceptanceModel)")
+            score, thr = spec.acceptance.tree(tokens, tok, par, cond), float(spec.verify_threshold)
+        keep, new, best = [0], {0: 0}, {}
+        for j in range(1, len(tok)):
+            if score[j] >= thr and par[j] in new:
+                new[j] = len(keep)
+                keep.append(j)
+                best[dep[j]] = max(best.get(dep[j], -1.0), cond[j])
+        confidence = []
+        for d in range(1, max(dep) + 1):
+            if d not in best:
+                break
+            confidence.append(best[d])
+        return ([tok[j] for j in keep], [new[par[j]] if j else -1 for j in keep], [dep[j] for j in keep],
+                [pp[j] for j in keep], confidence)  # fmt: skip
 
     def draft(
         self,
@@ -59,26 +105,33 @@ class NGramDrafter:
         generator: torch.Generator,
     ) -> DraftTree:
         t0 = time.perf_counter()
-        conts = self._continuations(tokens, spec.depth, spec.width)
+        match = self._match(tokens, spec.depth, spec.width)
         budget = _node_budget(spec)
-        tok, par, dep = [tokens[-1]], [-1], [0]
-        for cont in conts:
+        tok, par, dep, pp = [tokens[-1]], [-1], [0], [1.0]
+        best: dict[int, float] = {}  # depth -> largest conditional score
+        for cont, cond in zip(match.continuations, self.scores(match)):
             parent = 0
-            for d, t in enumerate(cont, start=1):
+            for d, (t, c) in enumerate(zip(cont, cond), start=1):
                 if len(tok) - 1 >= budget:
                     break
                 tok.append(t)
                 par.append(parent)
                 dep.append(d)
+                pp.append(pp[parent] * c)
+                best[d] = max(best.get(d, 0.0), c)
                 parent = len(tok) - 1
-        n = len(tok)
+        confidence = [float(np.float32(best[d])) for d in range(1, max(dep) + 1)] if len(tok) > 1 else []
+        if spec.verify_rule in ("threshold", "calibrated") and len(tok) > 1:
+            tok, par, dep, pp, confidence = self._rule(tokens, spec, tok, par, dep, pp)
         tree = DraftTree(
             tokens=torch.tensor(tok),
             parents=torch.tensor(par),
             depths=torch.tensor(dep),
-            path_prob=torch.ones(n),
-            confidence=[1.0] * (max(dep) if n > 1 else 0),
+            path_prob=torch.tensor(pp, dtype=torch.float32),
+            confidence=confidence,
         )
+        tree = select_verified(tree, spec, drafted=False)  # max_verify / goodput, as the model drafters select
+        tok, par, n = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes
         if spec.use_drafted_children and not params.greedy and n > 1:
             # point-mass draft law at each node with children; a node has one child in a chain
             q = torch.zeros(n, self.vocab_size)

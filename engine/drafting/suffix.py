@@ -5,14 +5,25 @@ asks it for every drafted node, engine.drafting.acceptance)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 
-def suffix_continuations(
+@dataclass(frozen=True)
+class SuffixMatch:
+    """What prompt lookup found: the continuations, the length n of the suffix that matched (0: none) and how
+    often each token followed that suffix earlier (over every earlier occurrence, not only the chosen ones)."""
+
+    continuations: list[list[int]]
+    ngram: int
+    followers: dict[int, int]
+
+
+def suffix_match(
     tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1, select_depth: int | None = None
-) -> list[list[int]]:
+) -> SuffixMatch:
     """Up to `width` continuations (at most `depth` tokens) with distinct first tokens of the longest suffix
     of `tokens` (n = max_ngram .. min_ngram) that occurred earlier; per first token the longest continuation
-    (most recent on ties). [] when no suffix of length >= min_ngram recurs.
+    (most recent on ties); none when no suffix of length >= min_ngram recurs.
 
     Lengths are compared up to `select_depth` (default `depth`) and the chosen continuations then cut to `depth`:
     with a fixed `select_depth` >= depth the depth-K result is the depth-K prefix of the deeper ones (the
@@ -22,18 +33,25 @@ def suffix_continuations(
     for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
         suffix = tokens[T - n :]
         best: dict[int, list[int]] = {}
+        followers: dict[int, int] = {}
         for start in range(T - n - 1, -1, -1):  # most recent earlier match first
             if tokens[start : start + n] == suffix:
                 cont = tokens[start + n : start + n + cap]
-                if cont and len(cont) > len(best.get(cont[0], [])):
+                followers[cont[0]] = followers.get(cont[0], 0) + 1
+                if len(cont) > len(best.get(cont[0], [])):
                     if cont[0] not in best and len(best) == width:
                         continue
                     best[cont[0]] = cont
-                    if len(best) == width and min(map(len, best.values())) >= cap:
-                        break  # nothing later can replace a full-length continuation
         if best:
-            return [c[:depth] for c in best.values()]
-    return []
+            return SuffixMatch([c[:depth] for c in best.values()], n, followers)
+    return SuffixMatch([], 0, {})
+
+
+def suffix_continuations(
+    tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1, select_depth: int | None = None
+) -> list[list[int]]:
+    """`suffix_match(...).continuations`."""
+    return suffix_match(tokens, depth, width, max_ngram, min_ngram, select_depth).continuations
 
 
 class SuffixIndex:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine.drafting.suffix import SuffixIndex, suffix_continuations
 
 
@@ -54,3 +56,29 @@ def test_ngram_drafter_trees_are_prefix_consistent_in_depth():
             deep = paths(tokens, 8, w)
             for k in range(1, 8):
                 assert paths(tokens, k, w) == {p for p in deep if len(p) <= k}
+
+
+def test_ngram_drafter_scores_the_match_length_and_the_follower_frequency():
+    """First token: (n / max_ngram) · its share of what followed the matched n-gram; d-th token: the suffix it then
+    extends, min(max_ngram, n + d - 1) / max_ngram; path score = product; confidence = best score per depth.
+    The threshold rule cuts by path score, as replay does."""
+    import torch
+
+    from engine.drafting.ngram import NGramDrafter
+    from engine.drafting.suffix import suffix_match
+    from engine.spec.config import SpecConfig
+    from engine.spec.sampling import SamplingParams
+
+    ctx = [5, 1, 2, 3, 9, 9, 9, 9, 1, 2, 7, 4, 1, 2]  # "1 2" recurs twice, followed by 3 and by 7
+    m = suffix_match(ctx, 3, 2, select_depth=16)
+    assert m.ngram == 2 and m.followers == {3: 1, 7: 1} and m.continuations == [[7, 4, 1], [3, 9, 9]]
+    drafter = NGramDrafter(vocab_size=16)
+    tree = drafter.draft(0, ctx, SpecConfig(depth=3, width=2), SamplingParams(), torch.Generator())
+    assert tree.tokens.tolist() == [2, 7, 4, 1, 3, 9, 9]
+    want = [1.0, 0.25, 0.25 * 0.75, 0.25 * 0.75, 0.25, 0.25 * 0.75, 0.25 * 0.75]
+    assert tree.path_prob.tolist() == pytest.approx(want)
+    assert tree.confidence == pytest.approx([0.25, 0.75, 1.0])
+    cut = drafter.draft(0, ctx, SpecConfig(depth=3, width=2, verify_rule="threshold", verify_threshold=0.2),
+                        SamplingParams(), torch.Generator())  # fmt: skip
+    assert cut.tokens.tolist() == [2, 7, 3] and cut.confidence == pytest.approx([0.25])
+    assert suffix_match([1, 2, 3], 2, 1).ngram == 0  # nothing recurs

@@ -54,3 +54,16 @@ def greedy_trace(zoo_models, trace_dir):
 @pytest.fixture(scope="session")
 def sampled_trace(zoo_models, trace_dir):
     return record(_conf(trace_dir, "sampled", sampling=SamplingConf(temperature=0.7, seed=3)), models=zoo_models)
+
+
+@pytest.fixture(scope="session")
+def ngram_models():
+    """(target, drafter, ModelInfo): tiny-moe with the model-free prompt-lookup drafter."""
+    return load_models("tiny-moe", "ngram", None)
+
+
+@pytest.fixture(scope="session")
+def ngram_trace(ngram_models, trace_dir):
+    conf = RecordConf(max_new_tokens=TRACE_TOKENS, widths=[1, 2, 3], workload=WorkloadConf(name="code", n=2),
+                      out=str(trace_dir / "ngram.npz"), calibrate_every=4, progress=False)  # fmt: skip
+    return record(conf, models=ngram_models)

@@ -136,3 +136,46 @@ def test_batch_variant_prices_the_union(live_factory):
     assert info["verified"] == sum(x.verified_tokens for x in rounds)
     while not (term or trunc):
         *_, term, trunc, info = e.step(e.action_space.sample())
+
+
+def test_replay_equals_live_with_the_prompt_lookup_drafter(ngram_models, ngram_trace):
+    """The n-gram drafter's trees, scores and verification rules (threshold, calibrated) in the live engine are
+    exactly what replay cuts from its recorded trees."""
+    from env.calibration import fit_acceptance
+
+    trace = ngram_trace
+    acceptance = fit_acceptance([(trace, list(range(trace.num_requests)))], min_samples=5)
+    cost = COSTS["roofline-qwen3-30b"]
+    replay = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False)
+    live = LiveEnv(models=ngram_models, num_prompts=2, max_new_tokens=TRACE_TOKENS, grid=SMALL_GRID, cost=cost,
+                   workload_name="code")  # fmt: skip
+    try:
+        assert live.prompts == [trace.prompt(i).tolist() for i in range(trace.num_requests)]
+        assert replay.cost_model.drafter.spec.kind == "lookup"
+        policies = [p for p in _static_policies(replay, acceptance) if "λ" not in p[0]]  # no expert predictor
+        policies += [
+            (f"K8 W{w} threshold {t}", SpecConfig(depth=8, width=w, verify_rule="threshold", verify_threshold=t))
+            for w, t in ((1, 0.3), (2, 0.05))
+        ]
+        accepted = 0
+        for name, action in policies:
+            for req in range(trace.num_requests):
+                o1, _ = replay.reset(options={"request": req})
+                o2, _ = live.reset(options={"request": req})
+                assert np.array_equal(o1, o2)
+                while True:
+                    o1, r1, t1, u1, _ = replay.step(action)
+                    o2, r2, t2, u2, _ = live.step(action)
+                    a, b = replay.rounds[-1], live.session.requests[0].rounds[-1]
+                    for f in FIELDS:
+                        assert getattr(a, f) == getattr(b, f), (name, req, len(replay.rounds), f)
+                    assert a.draft_confidence == pytest.approx(b.draft_confidence, rel=1e-6, abs=1e-7)
+                    assert (r1, t1, u1) == (r2, t2, u2), (name, req)
+                    np.testing.assert_allclose(o1, o2, atol=1e-6)
+                    accepted += a.accepted
+                    if t1 or u1:
+                        break
+                assert live.session.results()[0].token_ids == trace.continuation_of(req).tolist()
+        assert accepted > 0
+    finally:
+        live.close()
