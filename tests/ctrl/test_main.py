@@ -438,7 +438,7 @@ def test_aggrevate_entropy_term_keeps_the_optimum_interior():
             regret_loss(torch.log_softmax(z, dim=1), regret, alpha).backward()
             opt.step()
             if step in (1499, 2999):
-                gaps.setdefault(alpha, []).append(float(z[0, 0] - z[0, 2]))
+                gaps.setdefault(alpha, []).append((z[0, 0] - z[0, 2]).item())
         p = torch.softmax(z, dim=1)[0].detach()
         assert int(p.argmax()) == 0
         if alpha > 0:
