@@ -28,6 +28,8 @@ def suffix_match(
     Lengths are compared up to `select_depth` (default `depth`) and the chosen continuations then cut to `depth`:
     with a fixed `select_depth` >= depth the depth-K result is the depth-K prefix of the deeper ones (the
     NGramDrafter's trees, which trace replay cuts by depth)."""
+    if depth <= 0:
+        return SuffixMatch([], 0, {})
     cap = depth if select_depth is None else max(select_depth, depth)
     T = len(tokens)
     for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):

@@ -82,3 +82,4 @@ def test_ngram_drafter_scores_the_match_length_and_the_follower_frequency():
                         SamplingParams(), torch.Generator())  # fmt: skip
     assert cut.tokens.tolist() == [2, 7, 3] and cut.confidence == pytest.approx([0.25])
     assert suffix_match([1, 2, 3], 2, 1).ngram == 0  # nothing recurs
+    assert suffix_continuations(ctx, 0, 2) == suffix_continuations(ctx, 0, 2, select_depth=16) == []
