@@ -13,9 +13,8 @@ imitation of an expert that sees the future, by a policy that sees only the obse
 tokens, as the regret) subtracts α·H(π(· | obs)). The expected regret is linear in π, so its minimiser over the
 logits lies at infinity: the softmax saturates on one action per state, and once saturated, later aggregation
 rounds barely move it (the gradient towards another action is scaled by that action's vanishing probability).
-On prompt-lookup traces under the measured CPU cost two seeds of three froze on K = 0 that way, at 0.49-0.80 x
-static-best on their own training prompts. With α > 0 the optimum is interior, π ∝ exp(−regret/α), its argmax
-the least-regret action, and the logits stay finite. The policy is
+With α > 0 the optimum is interior, π ∝ exp(−regret/α), its argmax the least-regret action, and the logits stay
+finite (α = 0.01 gained 0.5-3 % on held-out prompts over α = 0 with the warm start of `aggrevate`). The policy is
 the SB3 actor itself (the MultiDiscrete K × W × λ × rule heads; π(a) is the product of the four heads'
 probabilities), so freezing and a later PPO fine-tune work unchanged.
 

@@ -97,9 +97,9 @@ def load_models(
 ) -> tuple[engine.Model, Any, ModelInfo]:
     """(target Model, Drafter or None, ModelInfo). drafter: a feature-head folder (EAGLE / MTP), a dense HF
     folder, "mtp" (the MTP module inside the target's own checkpoint: DeepSeek-V3 / GLM-4.5, zoo/tiny-moe-fine;
-    its path and digest are the target folder's), "ngram" (prompt lookup: no weights, so no digest; a predictor
-    is refused, since it reads a model drafter's hidden states), or None; predictor: an expert-predictor folder for
-    λ > 0, or None."""
+    its path and digest are the target folder's), "ngram" (prompt lookup: no weights, its digest names its settings;
+    a predictor is refused, since it reads a model drafter's hidden states), or None; predictor: an
+    expert-predictor folder for λ > 0, or None."""
     if str(drafter) == NGRAM_DRAFTER and predictor:
         raise ValueError(f"the n-gram drafter has no hidden states for the expert predictor {predictor!r}: "
                          "pass predictor=null (models.predictor=null)")  # fmt: skip
