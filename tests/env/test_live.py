@@ -94,22 +94,31 @@ def test_replay_equals_live(request, live_factory, trace_name, cost_name, accept
     live = live_factory(cost=cost, sampling=sampling)
     assert live.prompts == [trace.prompt(i).tolist() for i in range(trace.num_requests)]
     for name, action in _static_policies(replay, acceptance):
-        for req in range(trace.num_requests):
-            o1, _ = replay.reset(options={"request": req})
-            o2, _ = live.reset(options={"request": req})
-            assert np.array_equal(o1, o2)
-            while True:
-                o1, r1, t1, u1, i1 = replay.step(action)
-                o2, r2, t2, u2, i2 = live.step(action)
-                a, b = replay.rounds[-1], live.session.requests[0].rounds[-1]
-                for f in FIELDS:
-                    assert getattr(a, f) == getattr(b, f), (name, req, len(replay.rounds), f)
-                assert a.draft_confidence == pytest.approx(b.draft_confidence, rel=1e-4, abs=1e-6)
-                assert (r1, t1, u1) == (r2, t2, u2), (name, req)
-                np.testing.assert_allclose(o1, o2, atol=1e-5)
-                if t1 or u1:
-                    break
-            assert live.session.results()[0].token_ids == trace.continuation_of(req).tolist()
+        _same_episodes(replay, live, trace, name, action, tol=(1e-4, 1e-6, 1e-5))
+
+
+def _same_episodes(replay, live, trace, name, action, tol) -> int:
+    """Every request of `trace` under the static `action` in both envs: the same rounds, rewards and observations
+    (draft confidence and observation to `tol` = (rel, abs, obs atol)); returns the drafted tokens accepted."""
+    accepted = 0
+    for req in range(trace.num_requests):
+        o1, _ = replay.reset(options={"request": req})
+        o2, _ = live.reset(options={"request": req})
+        assert np.array_equal(o1, o2)
+        while True:
+            o1, r1, t1, u1, _ = replay.step(action)
+            o2, r2, t2, u2, _ = live.step(action)
+            a, b = replay.rounds[-1], live.session.requests[0].rounds[-1]
+            for f in FIELDS:
+                assert getattr(a, f) == getattr(b, f), (name, req, len(replay.rounds), f)
+            assert a.draft_confidence == pytest.approx(b.draft_confidence, rel=tol[0], abs=tol[1])
+            assert (r1, t1, u1) == (r2, t2, u2), (name, req)
+            np.testing.assert_allclose(o1, o2, atol=tol[2])
+            accepted += a.accepted
+            if t1 or u1:
+                break
+        assert live.session.results()[0].token_ids == trace.continuation_of(req).tolist()
+    return accepted
 
 
 def test_live_episode_validates_in_replay(greedy_trace, live_factory):
@@ -157,25 +166,8 @@ def test_replay_equals_live_with_the_prompt_lookup_drafter(ngram_models, ngram_t
             (f"K8 W{w} threshold {t}", SpecConfig(depth=8, width=w, verify_rule="threshold", verify_threshold=t))
             for w, t in ((1, 0.3), (2, 0.05))
         ]
-        accepted = 0
-        for name, action in policies:
-            for req in range(trace.num_requests):
-                o1, _ = replay.reset(options={"request": req})
-                o2, _ = live.reset(options={"request": req})
-                assert np.array_equal(o1, o2)
-                while True:
-                    o1, r1, t1, u1, _ = replay.step(action)
-                    o2, r2, t2, u2, _ = live.step(action)
-                    a, b = replay.rounds[-1], live.session.requests[0].rounds[-1]
-                    for f in FIELDS:
-                        assert getattr(a, f) == getattr(b, f), (name, req, len(replay.rounds), f)
-                    assert a.draft_confidence == pytest.approx(b.draft_confidence, rel=1e-6, abs=1e-7)
-                    assert (r1, t1, u1) == (r2, t2, u2), (name, req)
-                    np.testing.assert_allclose(o1, o2, atol=1e-6)
-                    accepted += a.accepted
-                    if t1 or u1:
-                        break
-                assert live.session.results()[0].token_ids == trace.continuation_of(req).tolist()
+        accepted = sum(_same_episodes(replay, live, trace, name, action, tol=(1e-6, 1e-7, 1e-6))
+                       for name, action in policies)  # fmt: skip
         assert accepted > 0
     finally:
         live.close()
