@@ -47,7 +47,7 @@ class PolicyBenchConfig:
 
     path: str | None = None  # a frozen policy folder; None: the main job's cached AggreVaTe (seed 0) under `cost`
     cost: str = "roofline-h200-qwen3_30b_a3b"  # whose cached policy (its rounds speculate; measured-cpu's decode)
-    drafter: str = "eagle-head"  # zoo names: what the main job records and trains with
+    drafter: str = "eagle-head"  # zoo names: what the main job records and trains with; or ngram (predictor=null)
     predictor: str | None = "expert-predictor"
     workloads: list[str] = field(default_factory=lambda: ["code", "prose", "chat", "math"])
     num_prompts: int = 8  # per workload

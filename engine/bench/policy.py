@@ -40,6 +40,10 @@ def _load(cfg: BenchConfig):
     path = learned_policy(c.path, c.cost, "policy_bench.path")
     policy = load_frozen_policy(path)  # clear errors for a missing or foreign artefact, before any model loads
     target = engine.load_model(cfg.target or zoo_path("tiny-moe"))
+    if c.drafter == "ngram":  # the model-free prompt lookup (`python -m ctrl +experiment=ngram`)
+        if c.predictor:
+            raise ValueError("policy_bench.drafter=ngram has no expert predictor: set policy_bench.predictor=null")
+        return path, policy, target, "ngram"
     predictor = zoo_path(c.predictor) if c.predictor else None
     drafter = load_feature_drafter(zoo_path(c.drafter), target, predictor=predictor)
     return path, policy, target, drafter

@@ -267,6 +267,11 @@ def test_policy_overhead_benchmark_smoke(trained, tmp_path):
     native = {"native_choose"} if tanh_mlp.load() is not None else set()  # the C++ choice, when it is built
     assert set(res["parts"]) == {"observation", "policy_call", "choice"} | native and min(res["parts"].values()) > 0
     print_policy(res)
+    cfg.policy_bench.drafter, cfg.policy_bench.batch_sizes = "ngram", [1]  # the prompt-lookup drafter
+    with pytest.raises(ValueError, match="predictor=null"):
+        bench_policy(cfg)
+    cfg.policy_bench.predictor = None
+    assert bench_policy(cfg)["rows"][0]["request_rounds"] >= 2
     cfg.policy_bench.path = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):
         bench_policy(cfg)
