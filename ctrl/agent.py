@@ -1,9 +1,17 @@
 """Training a learned speculation controller on trace replay and freezing it (`python -m ctrl.train` runs it).
 
-PPO (MultiDiscrete K x W x λ x verification rule) over `expertspec/Replay-v0` vectorised with SB3's
-DummyVecEnv, observations normalised by VecNormalize (folded into the frozen artefact), one run per seed.
-Tracking: W&B, offline by default (`wandb.mode=online|offline|disabled`), metrics namespaced like cleanrl
-(`charts/`, `losses/`). Each seed's frozen policy goes to `<out_dir>/seed<k>/` (ctrl.freeze).
+    ppo             PPO on the MultiDiscrete action (K x W x λ x verification rule)
+    aggrevate       cost-sensitive imitation of an exact expert (ctrl/aggrevate.py); `aggrevate+ppo` then PPO
+    sac | td3       SAC / TD3 on the Box([-1, 1]^4) variant of the same action (env.actions), tanh actors so the
+                    frozen artefact is the same plain MLP (ctrl.freeze.box_cells maps the Box to grid cells)
+
+Environments: `expertspec/Replay-v0` vectorised with SB3's DummyVecEnv (`algo.vec_env=subproc`: SubprocVecEnv,
+one process per env — worth it for the live env, not for replay, whose step is a table lookup), observations
+normalised by VecNormalize (folded into the frozen artefact). Callbacks (ctrl.callbacks): W&B tracking, offline by
+default (`wandb.mode=online|offline|disabled`, metrics namespaced like cleanrl: `charts/`, `losses/`, `eval/`), an
+evaluation on the held-out prompts every `algo.eval_every` steps (logged only), SB3 checkpoints every
+`algo.checkpoint_every` steps and at the end under `<out_dir>/checkpoints/seed<k>/`. Each seed's frozen policy goes to
+`<out_dir>/seed<k>/` (ctrl.freeze) and, with W&B on, into the run as a `policy` artifact.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +28,20 @@ import numpy as np
 
 from ctrl.config import AlgoConf, WandbConf
 
-ALGOS = ("ppo", "aggrevate", "aggrevate+ppo")
+ALGOS = ("ppo", "aggrevate", "aggrevate+ppo", "sac", "td3")
+BOX_ALGOS = ("sac", "td3")  # act on the Box variant of the action space
+VEC_ENVS = ("dummy", "subproc")
+
+
+def progress_steps(algo: AlgoConf, learner: str) -> int:
+    """The units one seed of `learner` reports to `progress`: AggreVaTe iterations, then RL environment steps."""
+    return (algo.iterations if learner.startswith("aggrevate") else 0) + (
+        algo.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
+
+
+def action_kind(algo: str) -> str:
+    """The env action kind an algorithm trains on (env.actions.ACTION_KINDS)."""
+    return "box" if algo in BOX_ALGOS else "multidiscrete"
 
 
 @dataclass
@@ -28,6 +49,7 @@ class TrainResult:
     policy_paths: list[Path]
     seconds: float
     curves: dict[int, list[float]]  # seed -> episode returns over training
+    held_out: dict[int, list[tuple[int, dict[str, float]]]] = field(default_factory=dict)  # seed -> eval history
 
 
 def _wandb_run(conf: WandbConf, out_dir: Path, config: dict, seed: int):
@@ -44,6 +66,41 @@ def _wandb_run(conf: WandbConf, out_dir: Path, config: dict, seed: int):
                       reinit="create_new")  # fmt: skip
 
 
+def _log_artifact(run: Any, path: Path, name: str, seed: int) -> None:
+    """The frozen policy folder as a W&B `policy` artifact of the run (kept in the offline run directory)."""
+    import wandb
+
+    art = wandb.Artifact(f"{name.replace('+', '-')}-seed{seed}", type="policy",
+                         metadata={"algo": name, "seed": seed})  # fmt: skip
+    art.add_dir(str(path))
+    run.log_artifact(art)
+
+
+def _agent(algo: AlgoConf, venv: Any, seed: int) -> Any:
+    """The SB3 model of `algo.name` over `venv` (PPO for the imitation learners: its actor is what they fit)."""
+    from torch import nn
+
+    common = dict(learning_rate=algo.learning_rate, gamma=algo.gamma, seed=seed, device="cpu", verbose=0)
+    if algo.name in BOX_ALGOS:
+        from stable_baselines3 import SAC, TD3
+        from stable_baselines3.common.noise import NormalActionNoise
+
+        # tanh hidden layers: the frozen actor is then the engine's plain tanh MLP (engine.runtime.frozen)
+        kw = dict(policy_kwargs=dict(net_arch=list(algo.net_arch), activation_fn=nn.Tanh), buffer_size=algo.buffer_size,
+                  learning_starts=algo.learning_starts, batch_size=algo.batch_size, tau=algo.tau,
+                  train_freq=algo.train_freq, gradient_steps=algo.gradient_steps, **common)  # fmt: skip
+        if algo.name == "sac":
+            return SAC("MlpPolicy", venv, **kw)
+        dim = venv.action_space.shape[0]
+        noise = NormalActionNoise(np.zeros(dim), algo.action_noise * np.ones(dim))
+        return TD3("MlpPolicy", venv, action_noise=noise, **kw)
+    from stable_baselines3 import PPO
+
+    return PPO("MlpPolicy", venv, n_steps=algo.n_steps, batch_size=algo.batch_size, n_epochs=algo.n_epochs,
+               gae_lambda=algo.gae_lambda, ent_coef=algo.ent_coef,
+               policy_kwargs=dict(net_arch=dict(pi=list(algo.net_arch), vf=list(algo.net_arch))), **common)  # fmt: skip
+
+
 def train_policy(
     make_env: Callable[[int], gym.Env],
     grid: Any,
@@ -53,62 +110,52 @@ def train_policy(
     wandb_conf: WandbConf | None = None,
     config: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    make_eval_envs: Callable[[], dict[str, gym.Env]] | None = None,
+    held_out: list | None = None,
 ) -> tuple[Path, list[float]]:
-    """Train one seed; returns (frozen policy folder, episode returns). `make_env(rank)` builds one env."""
+    """Train one seed; returns (frozen policy folder, episode returns). `make_env(rank)` builds one env with the
+    action kind of `algo.name` (`action_kind`); `make_eval_envs()` the held-out replay envs by workload (used when
+    `algo.eval_every > 0`; their history is appended to `held_out` when given)."""
     import torch
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
     from stable_baselines3.common.monitor import Monitor
-    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
 
+    from ctrl.callbacks import HeldOutEval, Track
     from ctrl.freeze import freeze
 
     if algo.name not in ALGOS:
         raise ValueError(f"algo.name must be one of {ALGOS}, got {algo.name!r}")
+    if algo.vec_env not in VEC_ENVS:
+        raise ValueError(f"algo.vec_env must be one of {VEC_ENVS}, got {algo.vec_env!r}")
     torch.manual_seed(seed)
     imitation = algo.name.startswith("aggrevate")
-    raw = [make_env(seed * 1000 + r) for r in range(algo.n_envs)]
-    venv = DummyVecEnv([lambda e=e: Monitor(e) for e in raw])
-    # AggreVaTe fits the actor on the raw observation (already in [0, 1]); PPO alone normalises it
+    ranks = [seed * 1000 + r for r in range(algo.n_envs)]
+    raw = [make_env(r) for r in ranks] if imitation or algo.vec_env == "dummy" else []
+    want = action_kind(algo.name)
+    probe = raw[0] if raw else make_env(ranks[0])
+    if probe.unwrapped.action_kind != want:
+        raise ValueError(f"{algo.name} trains on the {want} action space; make_env built a "
+                         f"{probe.unwrapped.action_kind} env")  # fmt: skip
+    if algo.vec_env == "subproc":
+        venv = SubprocVecEnv([lambda r=r: Monitor(make_env(r)) for r in ranks], start_method="spawn")
+    else:
+        venv = DummyVecEnv([lambda e=e: Monitor(e) for e in raw])
+    # AggreVaTe fits the actor on the raw observation (already in [0, 1]); the RL learners normalise it
     venv = VecNormalize(venv, norm_obs=not imitation, norm_reward=algo.normalize_reward, gamma=algo.gamma)
     venv.seed(seed)
     run = _wandb_run(wandb_conf, out_dir, config or {}, seed) if wandb_conf is not None else None
     returns: list[float] = []
-
-    class Track(BaseCallback):
-        def _on_step(self) -> bool:
-            for info in self.locals.get("infos", []):
-                ep = info.get("episode")
-                if ep is not None:
-                    returns.append(float(ep["r"]))
-                    if run is not None:
-                        run.log({"charts/episodic_return": ep["r"], "charts/episodic_length": ep["l"]},
-                                step=self.num_timesteps)  # fmt: skip
-            if progress is not None:
-                progress(self.training_env.num_envs)
-            return True
-
-        def _on_rollout_end(self) -> None:
-            if run is not None:
-                logs = {f"losses/{k.split('/')[-1]}": v for k, v in self.logger.name_to_value.items() if "train/" in k}
-                if logs:
-                    run.log(logs, step=self.num_timesteps)
-
-    model = PPO(
-        "MlpPolicy",
-        venv,
-        n_steps=algo.n_steps,
-        batch_size=algo.batch_size,
-        n_epochs=algo.n_epochs,
-        learning_rate=algo.learning_rate,
-        gamma=algo.gamma,
-        gae_lambda=algo.gae_lambda,
-        ent_coef=algo.ent_coef,
-        policy_kwargs=dict(net_arch=dict(pi=list(algo.net_arch), vf=list(algo.net_arch))),
-        seed=seed,
-        device="cpu",
-        verbose=0,
-    )
+    callbacks: list[Any] = [Track(run, returns, progress)]
+    evaluation = None
+    if algo.eval_every > 0 and make_eval_envs is not None:
+        evaluation = HeldOutEval(make_eval_envs(), max(algo.eval_every // algo.n_envs, 1) * algo.n_envs, run)
+        callbacks.append(evaluation)
+    if algo.checkpoint_every > 0:
+        callbacks.append(CheckpointCallback(max(algo.checkpoint_every // algo.n_envs, 1),
+                                            str(out_dir / "checkpoints" / f"seed{seed}"), name_prefix=algo.name,
+                                            save_vecnormalize=True))  # fmt: skip
+    model = _agent(algo, venv, seed)
     if imitation:
         from ctrl.aggrevate import aggrevate
 
@@ -119,22 +166,32 @@ def train_policy(
             for i, r in enumerate(regrets):
                 run.log({"losses/aggrevate_regret": r, "charts/iteration": i})
     if algo.name != "aggrevate":
-        model.learn(total_timesteps=algo.total_timesteps, callback=Track())
+        model.learn(total_timesteps=algo.total_timesteps, callback=CallbackList(callbacks))
+    if algo.checkpoint_every > 0:  # the trained agent itself (the last periodic one predates the last update)
+        ckpt = out_dir / "checkpoints" / f"seed{seed}"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        model.save(ckpt / f"{algo.name}_final.zip")
+        venv.save(str(ckpt / f"{algo.name}_vecnormalize_final.pkl"))
     path = freeze(model, grid, out_dir / f"seed{seed}", vec_normalize=venv, name=algo.name, algo=algo.name, seed=seed,
                   total_timesteps=algo.total_timesteps, **(config or {}).get("card", {}))  # fmt: skip
+    if evaluation is not None and held_out is not None:
+        held_out.append(evaluation.history)
     if run is not None:
         run.summary["charts/final_mean_return"] = float(np.mean(returns[-20:])) if returns else 0.0
+        _log_artifact(run, path, algo.name, seed)
         run.finish()
     venv.close()
     return path, returns
 
 
 def train_seeds(make_env, grid, algo: AlgoConf, seeds: list[int], out_dir: Path, wandb_conf=None, config=None,
-                progress=None) -> TrainResult:  # fmt: skip
+                progress=None, make_eval_envs=None) -> TrainResult:  # fmt: skip
     t0 = time.perf_counter()
-    paths, curves = [], {}
+    paths, curves, held = [], {}, {}
     for s in seeds:
-        p, r = train_policy(make_env, grid, algo, s, out_dir, wandb_conf, config, progress)
+        hist: list = []
+        p, r = train_policy(make_env, grid, algo, s, out_dir, wandb_conf, config, progress, make_eval_envs, hist)
         paths.append(p)
         curves[s] = r
-    return TrainResult(paths, time.perf_counter() - t0, curves)
+        held[s] = hist[0] if hist else []
+    return TrainResult(paths, time.perf_counter() - t0, curves, held)

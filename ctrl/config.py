@@ -16,7 +16,8 @@ BUILTIN_WORKLOADS = ["code", "prose", "chat", "math"]
 
 @dataclass
 class AlgoConf:
-    # ppo | aggrevate (cost-sensitive imitation of an expert, `expert` below; ctrl/aggrevate.py) | aggrevate+ppo
+    # ppo | aggrevate (cost-sensitive imitation of an expert, `expert` below; ctrl/aggrevate.py) | aggrevate+ppo |
+    # sac | td3 (on the Box variant of the action; ctrl/agent.py)
     name: str = "ppo"
     iterations: int = 6  # AggreVaTe: data-aggregation rounds (expert share β^i)
     # AggreVaTe's cost-to-go: oracle (the hindsight DP, optimistic) | static (the best static action of the
@@ -36,6 +37,17 @@ class AlgoConf:
     ent_coef: float = 0.01
     net_arch: list[int] = field(default_factory=lambda: [64, 64])
     normalize_reward: bool = True
+    # SAC / TD3 (off-policy, Box action): replay buffer, warm-up steps, Polyak τ, env steps per update, updates per
+    # train_freq, TD3's Gaussian exploration std (in Box units)
+    buffer_size: int = 100_000
+    learning_starts: int = 1_000
+    tau: float = 0.005
+    train_freq: int = 1
+    gradient_steps: int = 1
+    action_noise: float = 0.2
+    vec_env: str = "dummy"  # dummy | subproc (one process per env: pays for the live env, not for replay lookups)
+    eval_every: int = 10_000  # env steps between held-out evaluations (logged to eval/, selects nothing); 0: off
+    checkpoint_every: int = 10_000  # env steps between SB3 checkpoints (<out>/checkpoints/seed<k>/); 0: off
 
 
 @dataclass

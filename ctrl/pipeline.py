@@ -99,6 +99,7 @@ def check_conf(conf: MainConf) -> None:
         raise ValueError(f"algo.expert must be one of {EXPERTS}, got {conf.algo.expert!r}")
     if conf.algo.imitation_entropy < 0:
         raise ValueError(f"algo.imitation_entropy must be >= 0, got {conf.algo.imitation_entropy}")
+    _check_algo(conf.algo)
     from env.models import NGRAM_DRAFTER
 
     if str(conf.models.drafter) == NGRAM_DRAFTER and conf.models.predictor:
@@ -114,6 +115,28 @@ def check_conf(conf: MainConf) -> None:
         if fp.grid != grid:
             raise ValueError(f"policy_path={conf.policy_path}: the policy acts on the grid {fp.grid.to_dict()}, but "
                              f"this evaluation's grid is {grid.to_dict()}; set grid.* to match")  # fmt: skip
+
+
+def _check_algo(a: Any) -> None:
+    """The learners' numeric options: clear errors before any recording."""
+    from ctrl.agent import ALGOS, VEC_ENVS
+
+    if a.name not in ALGOS:
+        raise ValueError(f"algo.name must be one of {ALGOS}, got {a.name!r}")
+    if a.vec_env not in VEC_ENVS:
+        raise ValueError(f"algo.vec_env must be one of {VEC_ENVS}, got {a.vec_env!r}")
+    positive = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "iterations", "epochs",
+                "buffer_size", "train_freq", "gradient_steps")  # fmt: skip
+    for k in positive:
+        if getattr(a, k) < 1:
+            raise ValueError(f"algo.{k} must be >= 1, got {getattr(a, k)}")
+    for k in ("learning_starts", "eval_every", "checkpoint_every"):
+        if getattr(a, k) < 0:
+            raise ValueError(f"algo.{k} must be >= 0 (0: {'none' if k == 'learning_starts' else 'off'}), "
+                             f"got {getattr(a, k)}")  # fmt: skip
+    if not 0 < a.tau <= 1 or a.action_noise < 0 or a.learning_rate <= 0:
+        raise ValueError(f"algo.tau must be in (0, 1], algo.action_noise >= 0 and algo.learning_rate > 0; got "
+                         f"{a.tau}, {a.action_noise}, {a.learning_rate}")  # fmt: skip
 
 
 def _check_regimes(conf: MainConf) -> None:
@@ -163,11 +186,11 @@ def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
 
 
 def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None,
-               calibration: Any = None, acceptance: Any = None):  # fmt: skip
+               calibration: Any = None, acceptance: Any = None, action_kind: str = "multidiscrete"):  # fmt: skip
     from env.replay import ReplayEnv
 
     return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration,
-                     acceptance=acceptance)  # fmt: skip
+                     acceptance=acceptance, action_kind=action_kind)  # fmt: skip
 
 
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:
@@ -296,20 +319,26 @@ def per_policy_plot_data(requests: list[list[Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- training
 def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: Path, progress=None,
           learner: str | None = None) -> list[Path]:  # fmt: skip
-    """`learner` (default conf.algo.name: ppo | aggrevate | aggrevate+ppo) over every workload's training
-    requests (one replay env per workload, round-robin over the vectorised envs), one frozen policy per seed
-    under `out_dir/<cost name>/<learner>/seed<k>`."""
-    from ctrl.agent import train_seeds
+    """`learner` (default conf.algo.name: ppo | aggrevate | aggrevate+ppo | sac | td3) over every workload's
+    training requests (one replay env per workload, round-robin over the vectorised envs), one frozen policy per
+    seed under `out_dir/<cost name>/<learner>/seed<k>`; the held-out evaluation callback (conf.algo.eval_every)
+    replays every workload's held-out requests, logging only."""
+    from ctrl.agent import action_kind, train_seeds
 
     grid = grid_of(conf)
     names = sorted(traces)
     calibration = calibrate(conf, traces)
     acceptance = fit_acceptance_model(conf, traces)
+    kind = action_kind(learner or conf.algo.name)
 
     def make_env(rank: int):
         name = names[rank % len(names)]
         train_ids, _ = split(traces[name], conf)
-        return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance)
+        return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind)
+
+    def make_eval_envs():
+        return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind)
+                for n in names}  # fmt: skip
 
     card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
                      "train_requests": conf.workloads.train, "calibration": calibration.to_dict(),
@@ -317,7 +346,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     algo = replace(conf.algo, name=learner or conf.algo.name)
     config = {**card, "cost": asdict(cost), "algo": asdict(algo)}
     result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
-                         progress)  # fmt: skip
+                         progress, make_eval_envs)  # fmt: skip
     return result.policy_paths
 
 

@@ -26,6 +26,7 @@ POLICY_CACHE_VERSION = 4  # bump when a cached policy would differ (2: calibrate
 # 4: AggreVaTe warm-started by behaviour cloning, best iteration kept)
 
 
+LOGGING_ONLY = ("eval_every", "checkpoint_every", "vec_env")  # AlgoConf fields that leave the trained policy as is
 REGIME_FIELDS = {"roofline-offload": ("offload_cache", "offload_policy"), "roofline-ep": ("ep_ranks", "ep_placement")}
 
 
@@ -37,8 +38,9 @@ def _cost_key(cost) -> dict:
 
 
 def _policy_cache(conf: MainConf, traces, cost) -> Path:
+    algo = {k: v for k, v in asdict(conf.algo).items() if k not in LOGGING_ONLY}
     key = json.dumps([POLICY_CACHE_VERSION, sorted((n, t.digest) for n, t in traces.items()), _cost_key(cost),
-                      asdict(conf.algo), list(conf.seeds), asdict(conf.grid), conf.workloads.train],
+                      algo, list(conf.seeds), asdict(conf.grid), conf.workloads.train],
                      sort_keys=True)  # fmt: skip
     return cache_dir() / "policies" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -55,10 +57,9 @@ def learned_policies(conf: MainConf, traces, cost, position: int = 0) -> dict[st
     for learner in conf.learners:
         paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
         if len(paths) != len(conf.seeds):
-            a = conf.algo
-            per_seed = (a.iterations if learner.startswith("aggrevate") else 0) + (
-                a.total_timesteps if learner != "aggrevate" else 0)  # fmt: skip
-            tb = tqdm(total=per_seed * len(conf.seeds), desc=f"train {learner} ({cost.name})",
+            from ctrl.agent import progress_steps
+
+            tb = tqdm(total=progress_steps(conf.algo, learner) * len(conf.seeds), desc=f"train {learner} ({cost.name})",
                       disable=not conf.progress, position=position)  # fmt: skip
             paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
             tb.close()

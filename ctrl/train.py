@@ -1,9 +1,11 @@
-"""`python -m ctrl.train`: record (or reuse) the traces and train the learned controller, one frozen policy per
-seed and cost model (the main job's first half; `python -m ctrl` also evaluates).
+"""`python -m ctrl.train`: record (or reuse) the traces and train the learned controllers (`learners`, or one
+`ctrl=` preset: conf/ctrl/), one frozen policy per learner, seed and cost model under `<run dir>/policies/` (the main
+job's first half; `python -m ctrl` also evaluates).
 
-    python -m ctrl.train                                  # PPO, 3 seeds, both cost models
-    python -m ctrl.train algo.total_timesteps=20000 seeds=[0] wandb.mode=disabled
+    python -m ctrl.train                                  # AggreVaTe and PPO, 3 seeds, both cost models
+    python -m ctrl.train ctrl=sac seeds=[0] wandb.mode=disabled
     python -m ctrl.train +experiment=main_smoke           # a few hundred steps (the smoke test)
+    python -m ctrl.train -m hydra/launcher=joblib seeds=[0],[1],[2]   # a sweep, one job per seed
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hydra
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from ctrl.agent import progress_steps
 from ctrl.config import MainConf
 from ctrl.pipeline import check_conf, record_traces, train
 
@@ -27,10 +30,12 @@ def main(cfg) -> None:
         conf.wandb.dir = str(out.parent)
     traces = record_traces(conf)
     for cost in conf.costs:
-        bar = tqdm(total=conf.algo.total_timesteps * len(conf.seeds), desc=f"train PPO ({cost.name})", unit="step")
-        paths = train(conf, traces, cost, out, progress=lambda n, bar=bar: bar.update(n))
-        bar.close()
-        print(f"{cost.name}: " + ", ".join(str(p) for p in paths))
+        for learner in conf.learners:
+            total = progress_steps(conf.algo, learner) * len(conf.seeds)
+            bar = tqdm(total=total, desc=f"train {learner} ({cost.name})", unit="step")
+            paths = train(conf, traces, cost, out, progress=lambda n, bar=bar: bar.update(n), learner=learner)
+            bar.close()
+            print(f"{cost.name} · {learner}: " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.cost.fitted import nonnegative_lstsq
 from engine.cost.roofline import LAUNCHES_PER_FORWARD, LAUNCHES_PER_LAYER, HardwareProfile, _load_yaml_dataclass
 
 DRAFTER_KINDS = ("eagle3", "mtp", "dense", "lookup")
@@ -180,15 +181,13 @@ class FittedDrafterCost:
 
 def fit_drafter_cost(samples: Sequence[tuple[int, int, bool, float]]) -> FittedDrafterCost:
     """Least squares of FittedDrafterCost to (depth >= 1, width, expert_aware, seconds) samples; constants the
-    samples cannot identify are held at 0, and negative fits are clipped to 0 (drafting never saves time)."""
+    samples cannot identify are held at 0, and every constant is >= 0 (drafting more never saves time:
+    engine.cost.fitted.nonnegative_lstsq)."""
     rows = [(1.0, len(z), sum(z), sec) for d, w, a, sec in samples if (z := draft_forward_sizes(d, w, a))]
     if not rows:
         raise ValueError("fit_drafter_cost needs samples with depth >= 1")
     X = np.array([r[:3] for r in rows])
     y = np.array([r[3] for r in rows])
     keep = [0] + [j for j in (1, 2) if np.ptp(X[:, j]) > 0]
-    coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
-    values = [0.0, 0.0, 0.0]
-    for j, c in zip(keep, coef):
-        values[j] = max(float(c), 0.0)
-    return FittedDrafterCost(*values)
+    fitted = nonnegative_lstsq(X, y, keep)
+    return FittedDrafterCost(*(fitted.get(j, 0.0) for j in range(3)))

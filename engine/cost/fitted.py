@@ -77,11 +77,33 @@ def r_squared(predicted: Sequence[float], measured: Sequence[float]) -> float:
     return 1.0 - ss_res / ss_tot
 
 
+def nonnegative_lstsq(X: np.ndarray, y: np.ndarray, keep: Sequence[int]) -> dict[int, float]:
+    """Least squares of y [S] on the columns `keep` of X [S, C] with every constant >= 0 (NNLS): more tokens,
+    experts or context never make a forward cheaper, and an unconstrained fit to a few noisy timings (a loaded
+    machine, a short trace) can price a verification below zero. The NNLS optimum is the unconstrained fit on its
+    own support, so for these <= 5 columns every subset is solved and the best fit with no negative constant kept.
+    Returns {column: constant} of the columns fitted (the others are held at 0)."""
+    cols = list(keep)
+    coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+    if coef.min() >= 0:  # the usual case: one solve
+        return {j: float(c) for j, c in zip(cols, coef)}
+    best, best_res = {cols[0]: 0.0}, float(np.sum(y**2))
+    for mask in range(1, 1 << len(cols)):
+        sub = [j for b, j in enumerate(cols) if mask >> b & 1]
+        c, *_ = np.linalg.lstsq(X[:, sub], y, rcond=None)
+        if c.min() >= 0:
+            res = float(np.sum((X[:, sub] @ c - y) ** 2))
+            if res < best_res:
+                best, best_res = {j: float(v) for j, v in zip(sub, c)}, res
+    return best
+
+
 def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
-    """Least-squares fit of FittedCost to measured samples; returns (model, R² on the samples).
+    """Least-squares fit of FittedCost to measured samples, every constant >= 0 (`nonnegative_lstsq`); returns
+    (model, R² on the samples).
 
     A regressor that is constant over the samples (say every sample has the same context) cannot be told
-    apart from `fixed`; its constant is held at 0 and left out of `fitted`.
+    apart from `fixed`; its constant is held at 0 and left out of `fitted`, as is one the sign constraint holds at 0.
     """
     if not samples:
         raise ValueError("fit_cost_model needs at least one sample")
@@ -94,11 +116,9 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
             keep.append(j)
     if len(samples) < len(keep):
         raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[CONSTANTS[j] for j in keep]}")
-    coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
-    values = [0.0] * X.shape[1]
-    for j, c in zip(keep, coef):
-        values[j] = float(c)
-    model = FittedCost(*values, fitted=tuple(CONSTANTS[j] for j in keep))
+    fitted = nonnegative_lstsq(X, y, keep)
+    values = [fitted.get(j, 0.0) for j in range(X.shape[1])]
+    model = FittedCost(*values, fitted=tuple(CONSTANTS[j] for j in sorted(fitted)))
     return model, r_squared(X @ np.array(values), y)
 
 

@@ -307,8 +307,88 @@ def test_wandb_modes(trained, tmp_path, mode):
     runs = list((tmp_path / "wandb").glob("offline-run-*")) if (tmp_path / "wandb").exists() else []
     if mode == "offline":
         assert runs, "an offline W&B run directory is written"
+        import wandb
+
+        wandb.teardown()  # the W&B service writes the run's records asynchronously: flush them
+        record = next(runs[0].glob("run-*.wandb")).read_bytes()
+        assert b"ppo-seed0" in record and b"policy" in record  # the frozen policy logged as an artifact
     else:
         assert not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.parametrize("name", ["sac", "td3"])
+def test_box_learners_train_checkpoint_evaluate_and_freeze(trained, tmp_path, name):
+    """SAC / TD3 on the Box action: SB3 checkpoints every 128 steps, the held-out evaluation callback logs finite
+    speed-ups, and the frozen artefact (tanh MLP + box_cells, run by the C++ actor) decides as the final
+    checkpoint's deterministic action decoded by the env, on real observations and on random ones."""
+    from stable_baselines3 import SAC, TD3
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    conf, trace, grid, _, acceptance = trained
+    train_ids, test_ids = split(trace, conf)
+    algo = AlgoConf(name=name, total_timesteps=256, n_envs=2, batch_size=64, learning_starts=64, eval_every=128,
+                    checkpoint_every=128)  # fmt: skip
+    card = {"card": {"acceptance": acceptance.to_dict()}}
+    with pytest.raises(ValueError, match="trains on the box action space"):
+        train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance), grid, algo, 0,
+                     tmp_path, WandbConf(mode="disabled"), card)  # fmt: skip
+    history: list = []
+    path, _ = train_policy(
+        lambda r: replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance, action_kind="box"),
+        grid, algo, 0, tmp_path, WandbConf(mode="disabled"), card,
+        make_eval_envs=lambda: {"code": replay_env(trace, conf.costs[0], grid, test_ids, acceptance=acceptance,
+                                                   action_kind="box")},
+        held_out=history,
+    )  # fmt: skip
+    steps = [s for s, _ in history[0]]
+    assert steps == [128, 256] and all(np.isfinite(r["code"]) and r["code"] > 0 for _, r in history[0])
+    ckpt = tmp_path / "checkpoints" / "seed0"
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+        f"{name}_{s}.zip" for s in ("128_steps", "256_steps", "final")) + sorted(
+        f"{name}_vecnormalize_{s}.pkl" for s in ("128_steps", "256_steps", "final"))  # fmt: skip
+    model = {"sac": SAC, "td3": TD3}[name].load(ckpt / f"{name}_final.zip", device="cpu")
+    env = replay_env(trace, conf.costs[0], grid, test_ids, acceptance=acceptance, action_kind="box")
+    vn = VecNormalize.load(str(ckpt / f"{name}_vecnormalize_final.pkl"), DummyVecEnv([lambda: env]))
+    policy = load_frozen_policy(path)
+    assert policy.card["algo"] == name and policy._native is not None  # the engine's plain tanh-MLP path
+    codec = env.unwrapped.codec
+    bounds = [-1 + 2 * np.arange(1, n) / n for n in codec.nvec]
+
+    def same(v: np.ndarray) -> bool:
+        x = model.predict(vn.normalize_obs(v[None]), deterministic=True)[0][0]
+        if any(len(b) and np.min(np.abs(b - xi)) < 1e-5 for b, xi in zip(bounds, x)):
+            return True  # within float rounding of a cell boundary: either cell is the same action's edge
+        return policy.act_index(v) == codec.decode(x)
+
+    rng = np.random.default_rng(1)
+    assert all(same(rng.random(OBS_DIM).astype(np.float32)) for _ in range(200))
+    vec, _ = env.reset(options={"request": int(test_ids[0])})
+    done, steps = False, 0
+    while not done:
+        assert same(vec)
+        vec, _, term, trunc, _ = env.step(codec.encode(policy.act_index(vec)))
+        done, steps = term or trunc, steps + 1
+    assert steps > 1
+
+
+def test_subproc_vec_env_trains_the_same_policy(trained, tmp_path):
+    """algo.vec_env=subproc (one spawned process per env) trains the policy DummyVecEnv does: same trajectories,
+    weights equal to float rounding (DummyVecEnv buffers rewards in float32, SubprocVecEnv stacks float64)."""
+    import torch
+
+    conf, trace, grid, _, acceptance = trained
+    train_ids, _ = split(trace, conf)
+    weights = {}
+    for vec_env in ("dummy", "subproc"):
+        algo = AlgoConf(total_timesteps=128, n_envs=2, n_steps=64, batch_size=64, n_epochs=1, vec_env=vec_env,
+                        checkpoint_every=0)  # fmt: skip
+        path, _ = train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance),
+                               grid, algo, 3, tmp_path / vec_env, WandbConf(mode="disabled"),
+                               {"card": {"acceptance": acceptance.to_dict()}})  # fmt: skip
+        weights[vec_env] = torch.jit.load(str(path / "policy.pt")).state_dict()
+    assert weights["dummy"].keys() == weights["subproc"].keys()
+    for k in weights["dummy"]:
+        torch.testing.assert_close(weights["subproc"][k], weights["dummy"][k], rtol=0, atol=1e-6)
 
 
 def test_configs_compose():
@@ -334,6 +414,64 @@ def test_configs_compose():
         ngram = OmegaConf.to_object(compose(config_name="main", overrides=["+experiment=[main_smoke,ngram]"]))
     assert ngram.models.drafter == "ngram" and ngram.models.predictor is None and ngram.seeds == default.seeds[:1]
     check_conf(ngram)
+    assert default.learners == ["aggrevate", "ppo"]  # ctrl=default, workload=builtin
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+
+
+def test_every_group_option_composes():
+    """Every option of conf/ctrl, conf/workload and conf/hydra/launcher composes with the main config and (but the
+    file workload, which needs its path) passes check_conf; each sets what it names."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    assert set(_group_options("ctrl")) >= {"default", "ppo", "aggrevate", "aggrevate_ppo", "sac", "td3"}
+    assert set(_group_options("workload")) >= {"builtin", "code", "prose", "chat", "math", "sampled", "fastchat"}
+    with initialize_config_module(config_module="conf", version_base=None):
+        for opt in _group_options("ctrl"):
+            conf = OmegaConf.to_object(compose(config_name="main", overrides=[f"ctrl={opt}"]))
+            check_conf(conf)
+            assert conf.algo.name == conf.learners[-1] or opt == "default"
+        for opt in _group_options("workload"):
+            conf = OmegaConf.to_object(compose(config_name="main", overrides=[f"workload={opt}"]))
+            if opt == "fastchat":
+                with pytest.raises(ValueError, match="no workload"):
+                    check_conf(conf)
+                conf.workloads.prompts = str(ROOT / "README.md")  # any existing file passes the path check
+            else:
+                check_conf(conf)
+                assert set(conf.workloads.names) <= {"code", "prose", "chat", "math"} and conf.workloads.names
+        sampled = OmegaConf.to_object(compose(config_name="main", overrides=["workload=sampled"]))
+        assert sampled.workloads.temperature > 0
+        launchers = {"local": "JoblibLauncher", "cluster": "SlurmLauncher"}
+        assert set(_group_options("hydra/launcher")) == set(launchers)
+        for opt, cls in launchers.items():
+            cfg = compose(config_name="main", overrides=[f"hydra/launcher={opt}"], return_hydra_config=True)
+            assert cfg.hydra.launcher._target_.endswith(cls)
+        sweep = compose(config_name="main", overrides=["costs.0.hardware=h100", "grid.lams=[0.0,0.5]"])
+    conf = OmegaConf.to_object(sweep)  # what a sweep over hardware profiles / λ grids sets per job
+    assert conf.costs[0].hardware == "h100" and conf.grid.lams == [0.0, 0.5]
+    check_conf(conf)
+
+
+@pytest.mark.slow
+def test_multirun_sweep_with_the_local_launcher(smoke_run, tmp_path):
+    """`python -m ctrl.train -m hydra/launcher=local ... seeds=[0],[1]`: two jobs in parallel processes, each
+    freezing its own seed's policy per cost model in its own job folder."""
+    tmp, _, _ = smoke_run
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "ctrl.train", "-m", "hydra/launcher=local", "+experiment=main_smoke", "ctrl=td3",
+           "seeds=[0],[1]", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "JoblibLauncher" in proc.stdout + proc.stderr or "Joblib" in proc.stdout + proc.stderr
+    for job, seed in (("0", 0), ("1", 1)):
+        cards = sorted((sweep / job).rglob("policy.json"))
+        assert len(cards) == 2, cards  # one per cost model
+        assert all(json.loads(c.read_text())["algo"] == "td3" and json.loads(c.read_text())["seed"] == seed
+                   for c in cards)  # fmt: skip
 
 
 def test_bad_configuration_fails_before_any_work(tmp_path):
@@ -374,6 +512,13 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
     conf.workers = 0
     with pytest.raises(ValueError, match="workers must be >= 1"):
         check_conf(conf)
+    for field, value, match in [("vec_env", "threads", "algo.vec_env"), ("buffer_size", 0, "algo.buffer_size"),
+                                ("eval_every", -1, "algo.eval_every"), ("tau", 2.0, "algo.tau"),
+                                ("name", "dqn", "algo.name")]:  # fmt: skip
+        conf = MainConf()
+        setattr(conf.algo, field, value)
+        with pytest.raises(ValueError, match=match):
+            check_conf(conf)
     conf = MainConf()
     conf.policy_path = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="not a frozen policy folder"):

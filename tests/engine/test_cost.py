@@ -225,3 +225,35 @@ def test_fit_recovers_known_constants():
     # one n for every sample: n·L·context is a multiple of L·context, so it is not identifiable either
     one_n = [s for s in samples if s.routing[0].shape[0] == 1]
     assert fit_cost_model(one_n * 3)[0].fitted == ("fixed", "per_layer_context")  # Σ_l U_l = L·r at n = 1 too
+
+
+def test_fit_never_prices_a_forward_below_zero():
+    """Timings whose unconstrained least squares has a negative fixed cost (cost falling with more tokens at small
+    n, as a few noisy samples on a loaded machine can give): every constant stays >= 0, the one held at 0 leaves
+    `fitted`, and the constrained fit equals nonnegative_lstsq's exhaustive check over column subsets."""
+    from itertools import combinations
+
+    from engine.cost.fitted import nonnegative_lstsq
+
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for n in (2, 3, 4, 6, 8, 12, 16) * 2:
+        routing = [torch.rand(n, 16, generator=gen).topk(2, -1).indices for _ in range(4)]
+        samples.append(CostSample(routing, 50, 1e-4 * n - 2e-4 + 1e-5 * float(torch.rand(1, generator=gen))))
+    X = np.array([cost_features(s.routing, s.context_len) for s in samples])
+    y = np.array([s.seconds for s in samples])
+    assert np.linalg.lstsq(X[:, :3], y, rcond=None)[0].min() < 0  # the unconstrained fit goes negative
+    fitted, _ = fit_cost_model(samples)
+    assert all(getattr(fitted, k) >= 0 for k in CONSTANTS)
+    assert "fixed" not in fitted.fitted
+    assert min(fitted.seconds(n, 8.0, 4, 50) for n in range(1, 17)) > 0
+    # the optimum over every non-negative subset fit (what NNLS finds)
+    got = nonnegative_lstsq(X, y, [0, 1, 2])
+    res = float(np.sum((X[:, list(got)] @ np.array(list(got.values())) - y) ** 2))
+    subset_res = []
+    for r in (1, 2, 3):
+        for c in combinations(range(3), r):
+            coef = np.linalg.lstsq(X[:, list(c)], y, rcond=None)[0]
+            if coef.min() >= 0:
+                subset_res.append(float(np.sum((X[:, list(c)] @ coef - y) ** 2)))
+    assert res == pytest.approx(min(subset_res), rel=1e-12)

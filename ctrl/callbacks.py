@@ -1,0 +1,103 @@
+"""SB3 callbacks of `ctrl.agent`: W&B tracking, the held-out evaluation, and the progress count.
+
+    Track(run, returns, progress)       episode returns -> `charts/`, SB3's train/* values -> `losses/`
+    HeldOutEval(envs, every, run)       every `every` steps: the deterministic policy on every held-out request,
+                                        committed tokens per cost ÷ plain decoding's -> `eval/speedup[/<workload>]`
+
+The held-out evaluation only *logs*: it selects nothing (no best-checkpoint pick, no early stop), so the held-out
+prompts stay unseen by training. Checkpoints are SB3's own `CheckpointCallback` (agent zip + VecNormalize
+statistics), assembled in `ctrl.agent`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stable_baselines3.common.callbacks import BaseCallback
+
+
+class Track(BaseCallback):
+    """Episode returns into `returns` (and W&B `charts/`), SB3's `train/*` values into W&B `losses/`, and
+    `progress(n)` after every vectorised step of n transitions."""
+
+    def __init__(self, run: Any, returns: list[float], progress: Callable[[int], None] | None = None) -> None:
+        super().__init__()
+        self.run, self.returns, self.progress = run, returns, progress
+
+    def _on_step(self) -> bool:
+        for info in self.locals.get("infos", []):
+            ep = info.get("episode")
+            if ep is not None:
+                self.returns.append(float(ep["r"]))
+                if self.run is not None:
+                    self.run.log({"charts/episodic_return": ep["r"], "charts/episodic_length": ep["l"]},
+                                 step=self.num_timesteps)  # fmt: skip
+        if self.progress is not None:
+            self.progress(self.training_env.num_envs)
+        return True
+
+    def _on_rollout_end(self) -> None:
+        if self.run is not None:
+            logs = {f"losses/{k.split('/')[-1]}": v for k, v in self.logger.name_to_value.items() if "train/" in k}
+            if logs:
+                self.run.log(logs, step=self.num_timesteps)
+
+
+def held_out_speedup(model: Any, envs: Mapping[str, Any]) -> dict[str, float]:
+    """{workload: Σ committed / Σ (T_spec / T_AR)} of `model`'s deterministic actions over every request of each
+    replay env (its `requests`), and "all" over them together: committed tokens per cost ÷ plain decoding's."""
+    vn = model.get_vec_normalize_env()
+    out, tot_c, tot_t = {}, 0.0, 0.0
+    for name, env in envs.items():
+        committed = cost = 0.0
+        for req in env.unwrapped.requests:
+            obs, _ = env.reset(options={"request": int(req)})
+            done = False
+            while not done:
+                x = vn.normalize_obs(obs[None]) if vn is not None else obs[None]
+                action, _ = model.predict(x, deterministic=True)
+                obs, _, terminated, truncated, info = env.step(action[0])
+                committed += info["committed"]
+                cost += info["cost"] / info["cost_ar"]
+                done = terminated or truncated
+        out[name] = committed / cost if cost > 0 else float("nan")
+        tot_c, tot_t = tot_c + committed, tot_t + cost
+    out["all"] = tot_c / tot_t if tot_t > 0 else float("nan")
+    return out
+
+
+class HeldOutEval(BaseCallback):
+    """Every `every` environment steps (and at the end of training), `held_out_speedup` on `envs` into W&B
+    `eval/` and `self.history` [(step, {workload: speed-up})]. Logging only (module docstring)."""
+
+    def __init__(self, envs: Mapping[str, Any], every: int, run: Any = None) -> None:
+        super().__init__()
+        if every <= 0:
+            raise ValueError(f"held-out evaluation every {every} steps: must be > 0")
+        self.envs, self.every, self.run = dict(envs), int(every), run
+        self.history: list[tuple[int, dict[str, float]]] = []
+        self._next = self.every
+
+    def _evaluate(self) -> None:
+        res = held_out_speedup(self.model, self.envs)
+        self.history.append((self.num_timesteps, res))
+        self.logger.record("eval/speedup", res["all"])
+        if self.run is not None:
+            logs = {f"eval/speedup/{k}": v for k, v in res.items() if k != "all"}
+            self.run.log({"eval/speedup": res["all"], **logs}, step=self.num_timesteps)
+
+    def _on_step(self) -> bool:
+        if self.num_timesteps >= self._next:
+            self._next += self.every
+            self._evaluate()
+        return True
+
+    def _on_training_end(self) -> None:
+        if not self.history or self.history[-1][0] != self.num_timesteps:
+            self._evaluate()
+
+
+def final_speedups(callback: HeldOutEval | None) -> dict[str, float]:
+    """The last held-out evaluation's speed-ups ({} without one)."""
+    return dict(callback.history[-1][1]) if callback is not None and callback.history else {}
