@@ -456,6 +456,23 @@ def test_every_group_option_composes():
     check_conf(conf)
 
 
+def test_every_experiment_composes_with_its_entry_point():
+    """Each conf/experiment preset composes with the config it is for (a new preset must be added here)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    import engine.zoo.configs  # noqa: F401  (registers the zoo schemas)
+
+    owner = {"main_smoke": "main", "ngram": "main", "regimes": "main", "zoo_smoke": "zoo",
+             "zoo_fine_smoke": "zoo_fine"}  # fmt: skip
+    assert set(_group_options("experiment")) == set(owner)
+    with initialize_config_module(config_module="conf", version_base=None):
+        for exp, config in owner.items():
+            conf = OmegaConf.to_object(compose(config_name=config, overrides=[f"+experiment={exp}"]))
+            if config == "main":
+                check_conf(conf)
+
+
 @pytest.mark.slow
 def test_multirun_sweep_with_the_local_launcher(smoke_run, tmp_path):
     """`python -m ctrl.train -m hydra/launcher=local ... seeds=[0],[1]`: two jobs in parallel processes, each
@@ -514,7 +531,8 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
         check_conf(conf)
     for field, value, match in [("vec_env", "threads", "algo.vec_env"), ("buffer_size", 0, "algo.buffer_size"),
                                 ("eval_every", -1, "algo.eval_every"), ("tau", 2.0, "algo.tau"),
-                                ("name", "dqn", "algo.name")]:  # fmt: skip
+                                ("name", "dqn", "algo.name"),
+                                ("gradient_steps", 0, "algo.gradient_steps")]:  # fmt: skip
         conf = MainConf()
         setattr(conf.algo, field, value)
         with pytest.raises(ValueError, match=match):
