@@ -6,10 +6,12 @@
     python -m ctrl wandb.mode=disabled seeds=[0]
     python -m ctrl.evaluate +experiment=regimes      # + offloaded experts and EP over 8 GPUs (on request)
     python -m ctrl workers=1                         # one process (default 2: recording shards, cost models)
+    python -m ctrl ctrl=sac workload=code            # config groups: learners (conf/ctrl), prompts (conf/workload)
 
 Stages: (1) one trace per workload (train + held-out prompts; cached by content under ~/.cache/expertspec,
 so a second run records nothing); (2) per cost model (roofline H200 × Qwen3-30B-A3B, this machine's measured
-cost), AggreVaTe and PPO over the training prompts, one frozen policy per seed (cached by what determines it);
+cost), the learners (`ctrl=`: AggreVaTe and PPO by default) over the training prompts, one frozen policy per
+seed (cached by what determines it);
 (3) every policy on the held-out prompts: static best (chosen on train / on test), target-only, Cascade, EVICT,
 UCB, DISCO, SGLang adaptive, vLLM table / goodput, the learners, the hindsight oracle and the hindsight bounds
 per request / per S tokens; (4) results.json, report.md and plots in the run directory (`hydra.run.dir=...`),
