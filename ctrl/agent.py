@@ -167,6 +167,8 @@ def train_policy(
                 run.log({"losses/aggrevate_regret": r, "charts/iteration": i})
     if algo.name != "aggrevate":
         model.learn(total_timesteps=algo.total_timesteps, callback=CallbackList(callbacks))
+    elif evaluation is not None:  # no SB3 learn to call it back: the fitted actor once
+        evaluation.record(model, algo.iterations, wandb_step=False)
     if algo.checkpoint_every > 0:  # the trained agent itself (the last periodic one predates the last update)
         ckpt = out_dir / "checkpoints" / f"seed{seed}"
         ckpt.mkdir(parents=True, exist_ok=True)

@@ -79,13 +79,18 @@ class HeldOutEval(BaseCallback):
         self.history: list[tuple[int, dict[str, float]]] = []
         self._next = self.every
 
-    def _evaluate(self) -> None:
-        res = held_out_speedup(self.model, self.envs)
-        self.history.append((self.num_timesteps, res))
-        self.logger.record("eval/speedup", res["all"])
+    def record(self, model: Any, step: int, wandb_step: bool = True) -> dict[str, float]:
+        """Evaluate `model` now (also outside SB3's learn: AggreVaTe alone) into the history at `step`; W&B logs it
+        at `step`, or at its own next step (`wandb_step=False`: a run whose steps are not environment steps)."""
+        res = held_out_speedup(model, self.envs)
+        self.history.append((step, res))
         if self.run is not None:
             logs = {f"eval/speedup/{k}": v for k, v in res.items() if k != "all"}
-            self.run.log({"eval/speedup": res["all"], **logs}, step=self.num_timesteps)
+            self.run.log({"eval/speedup": res["all"], **logs}, step=step if wandb_step else None)
+        return res
+
+    def _evaluate(self) -> None:
+        self.logger.record("eval/speedup", self.record(self.model, self.num_timesteps)["all"])
 
     def _on_step(self) -> bool:
         if self.num_timesteps >= self._next:

@@ -346,7 +346,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
                      "train_requests": conf.workloads.train, "calibration": calibration.to_dict(),
                      "acceptance": acceptance.to_dict()}}  # fmt: skip
     algo = replace(conf.algo, name=learner or conf.algo.name)
-    config = {**card, "cost": asdict(cost), "algo": asdict(algo)}
+    config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: the resolved config
     result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
                          progress, make_eval_envs)  # fmt: skip
     return result.policy_paths

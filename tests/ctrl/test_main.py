@@ -316,6 +316,52 @@ def test_wandb_modes(trained, tmp_path, mode):
         assert not (tmp_path / "wandb").exists()
 
 
+def test_aggrevate_alone_is_evaluated_on_the_held_out_prompts_once(trained, tmp_path):
+    """AggreVaTe never calls SB3's learn, so its held-out evaluation runs once on the fitted actor, and it equals
+    the frozen policy's speed-up replayed by hand on the same requests."""
+    conf, trace, grid, _, acceptance = trained
+    train_ids, test_ids = split(trace, conf)
+    algo = AlgoConf(name="aggrevate", iterations=1, epochs=2, n_envs=1, checkpoint_every=0, eval_every=1)
+    history: list = []
+    card = {"card": {"acceptance": acceptance.to_dict()}}
+    path, _ = train_policy(lambda r: replay_env(trace, conf.costs[0], grid, train_ids, acceptance=acceptance), grid,
+                           algo, 0, tmp_path, WandbConf(mode="disabled"), card,
+                           make_eval_envs=lambda: {"code": replay_env(trace, conf.costs[0], grid, test_ids,
+                                                                      acceptance=acceptance)},
+                           held_out=history)  # fmt: skip
+    assert [s for s, _ in history[0]] == [1]
+    policy, env = load_frozen_policy(path), replay_env(trace, conf.costs[0], grid, test_ids, acceptance=acceptance)
+    committed = cost = 0.0
+    for req in test_ids:
+        vec, _ = env.reset(options={"request": int(req)})
+        done = False
+        while not done:
+            vec, _, term, trunc, info = env.step(env.unwrapped.codec.encode(policy.act_index(vec)))
+            committed, cost, done = committed + info["committed"], cost + info["cost"] / info["cost_ar"], term or trunc
+    assert history[0][0][1]["code"] == pytest.approx(committed / cost, rel=1e-9)
+
+
+def test_training_hands_wandb_the_resolved_config(trained, tmp_path, monkeypatch):
+    """ctrl.pipeline.train gives each W&B run the whole resolved job config (`main`), the learner's algo and the
+    cost model, besides the card."""
+    import ctrl.agent
+    from ctrl.pipeline import train
+
+    conf, trace, _, _, _ = trained
+    seen = {}
+
+    def fake(make_env, grid, algo, seeds, out_dir, wandb_conf, config, progress, make_eval_envs=None):
+        seen.update(config=config, algo=algo)
+        return ctrl.agent.TrainResult([], 0.0, {})
+
+    monkeypatch.setattr(ctrl.agent, "train_seeds", fake)
+    train(conf, {"code": trace}, conf.costs[0], tmp_path, learner="td3")
+    from dataclasses import asdict
+
+    assert seen["config"]["main"] == asdict(conf) and seen["config"]["algo"]["name"] == "td3"
+    assert seen["config"]["cost"]["name"] == conf.costs[0].name and "acceptance" in seen["config"]["card"]
+
+
 @pytest.mark.parametrize("name", ["sac", "td3"])
 def test_box_learners_train_checkpoint_evaluate_and_freeze(trained, tmp_path, name):
     """SAC / TD3 on the Box action: SB3 checkpoints every 128 steps, the held-out evaluation callback logs finite
