@@ -5,8 +5,9 @@
     sac | td3       SAC / TD3 on the Box([-1, 1]^4) variant of the same action (env.actions), tanh actors so the
                     frozen artefact is the same plain MLP (ctrl.freeze.box_cells maps the Box to grid cells)
 
-Environments: `expertspec/Replay-v0` vectorised with SB3's DummyVecEnv (`algo.vec_env=subproc`: SubprocVecEnv,
-one process per env — worth it for the live env, not for replay, whose step is a table lookup), observations
+Environments: `expertspec/Replay-v0` vectorised with SB3's DummyVecEnv (`algo.vec_env=subproc`: SubprocVecEnv, one
+process per env, for envs whose step costs more than the pipe; a replay step is a table lookup: 8,192 PPO steps over
+4 replay envs take ~3.5x as long with it, spawn included), observations
 normalised by VecNormalize (folded into the frozen artefact). Callbacks (ctrl.callbacks): W&B tracking, offline by
 default (`wandb.mode=online|offline|disabled`, metrics namespaced like cleanrl: `charts/`, `losses/`, `eval/`), an
 evaluation on the held-out prompts every `algo.eval_every` steps (logged only), SB3 checkpoints every

@@ -46,7 +46,7 @@ class AlgoConf:
     train_freq: int = 1
     gradient_steps: int = -1
     action_noise: float = 0.2
-    vec_env: str = "dummy"  # dummy | subproc (one process per env: pays for the live env, not for replay lookups)
+    vec_env: str = "dummy"  # dummy | subproc (one process per env: for costly steps; replay's lookups lose ~3.5x)
     eval_every: int = 10_000  # env steps between held-out evaluations (logged to eval/, selects nothing); 0: off
     checkpoint_every: int = 10_000  # env steps between SB3 checkpoints (<out>/checkpoints/seed<k>/); 0: off
 
