@@ -136,6 +136,7 @@ class CostBenchConfig:
 
 
 MODES = ("decode", "spec", "cost", "serve", "graphs", "policy")
+SPEC_DRAFTERS = ("dense", "ngram", "eagle", "mtp")  # mode=spec: the zoo's drafters (eagle / mtp when trained)
 
 
 @dataclass
@@ -155,6 +156,7 @@ class BenchConfig:
     widths: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     lams: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0, 2.0, 4.0])
     hf: bool = True  # also run transformers (decode) / assisted generation (spec)
+    spec_drafters: list[str] = field(default_factory=lambda: list(SPEC_DRAFTERS))  # mode=spec: which to sweep
     out: str | None = None
     bound: BoundBenchConfig = field(default_factory=BoundBenchConfig)  # decode mode: random unseen shapes
     graphs: GraphsBenchConfig = field(default_factory=GraphsBenchConfig)  # mode=graphs (CUDA)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.bench.common import bench_paths, bench_prompts, hf_generate
-from engine.bench.configs import BenchConfig
+from engine.bench.configs import SPEC_DRAFTERS, BenchConfig
 from engine.cost.utility import expected_distinct_experts
 
 # `python -m engine.bench spec` settings behind the README's table (the defaults sweep more: see BenchConfig)
@@ -48,13 +48,27 @@ def best_exact(rows: list[dict], drafter: str | None = None) -> dict | None:
     return max(ok, key=lambda x: x["speedup"]) if ok else None
 
 
+def check_spec_drafters(names: list[str]) -> None:
+    """`spec_drafters` names only known drafters, at least one (before any model loads)."""
+    unknown = sorted(set(names) - set(SPEC_DRAFTERS))
+    if unknown or not names:
+        raise ValueError(f"spec_drafters={list(names)}: choose one or more of {list(SPEC_DRAFTERS)}")
+
+
 def _drafters(cfg: BenchConfig, target) -> dict[str, Any]:
+    """The drafters of `cfg.spec_drafters` that this checkout has (the feature heads are optional)."""
     import engine
     from engine.zoo.build import zoo_path
 
     _, drafter_path = bench_paths(cfg)
-    out: dict[str, Any] = {"dense": engine.load_model(drafter_path), "ngram": "ngram"}
+    out: dict[str, Any] = {}
+    if "dense" in cfg.spec_drafters:
+        out["dense"] = engine.load_model(drafter_path)
+    if "ngram" in cfg.spec_drafters:
+        out["ngram"] = "ngram"
     for name in ("eagle-head", "mtp-head"):  # optional feature heads (python -m engine.zoo.train_heads)
+        if name.removesuffix("-head") not in cfg.spec_drafters:
+            continue
         try:
             path = zoo_path(name)
         except FileNotFoundError:
@@ -123,6 +137,7 @@ def bench_spec(
     (the entry point draws and prints them)."""
     import engine
 
+    check_spec_drafters(cfg.spec_drafters)
     target_path, drafter_path = bench_paths(cfg)
     target = engine.load_model(target_path)
     bench_prompts(cfg, target, 1)  # a checkpoint without a tokenizer fails here, before the drafters load
@@ -133,7 +148,8 @@ def bench_spec(
     lam_drafter = drafters.get("eagle") or drafters.get("mtp")
     with_lam = lam_drafter is not None and getattr(lam_drafter, "predictor", None) is not None
     lam_rows = 2 * len(cfg.lams) - (0.0 in cfg.lams) if with_lam else 0
-    total, done = len(workloads) * (len(grid) + lam_rows + cfg.hf), 0
+    hf = cfg.hf and "dense" in drafters  # transformers assisted generation runs the dense drafter
+    total, done = len(workloads) * (len(grid) + lam_rows + hf), 0
     report: dict[str, Any] = {
         "config": {k: getattr(cfg, k) for k in ("new_tokens", "num_prompts", "repeats", "depths", "widths")}
     }
@@ -147,7 +163,7 @@ def bench_spec(
             est = base["wall"] * len(workloads) * (2 * cfg.repeats * len(grid) + 2 * lam_rows)
             log(
                 f"expected run time: ~{f'{est:.0f} s' if est < 120 else f'{est / 60:.0f} min'} + model loading"
-                + (" + transformers assisted generation" if cfg.hf else "")
+                + (" + transformers assisted generation" if hf else "")
                 + f" ({len(grid)} configurations x {cfg.repeats} repeats x {len(workloads)} workloads, "
                 f"one target-only run of {cfg.num_prompts} prompts x {cfg.new_tokens} tokens took {base['wall']:.1f} s)"
             )
@@ -185,11 +201,11 @@ def bench_spec(
             "best_dense": best_dense,
             "target_only_tok_s": base["tok_s"],
         }
-        if cfg.hf and best is not None and best_dense is not None:
+        if hf and best is not None and best_dense is not None:
             section["assisted"] = _vs_assisted(
                 cfg, target, drafters, target_path, drafter_path, prompts, best_dense, best
             )
-        if cfg.hf:
+        if hf:
             done += 1
             if progress is not None:
                 progress(f"{wl} transformers assisted", done, total)

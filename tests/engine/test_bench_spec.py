@@ -37,3 +37,27 @@ def test_checkpoint_without_tokenizer_is_a_clear_error(tiny_moe_dir, tiny_dense_
     cfg = BenchConfig(mode="spec", target=str(tiny_moe_dir), drafter=str(tiny_dense_dir), hf=False)
     with pytest.raises(ValueError, match="has no tokenizer.json.*target=<a checkpoint folder with tokenizer.json>"):
         bench_spec(cfg)
+
+
+def test_unknown_spec_drafter_is_a_clear_error_before_loading():
+    cfg = BenchConfig(mode="spec", target="/nonexistent", spec_drafters=["ngram", "medusa"])
+    with pytest.raises(ValueError, match=r"spec_drafters=\['ngram', 'medusa'\]: choose one or more of"):
+        bench_spec(cfg)  # before the (missing) target is read
+    with pytest.raises(ValueError, match="choose one or more"):
+        bench_spec(BenchConfig(mode="spec", spec_drafters=[]))
+
+
+def test_spec_bench_sweeps_only_the_chosen_drafters():
+    """spec_drafters=[ngram]: only the n-gram rows, no transformers assisted run (it needs the dense drafter)."""
+    from engine.zoo.build import zoo_path
+
+    try:
+        zoo_path("tiny-moe")
+    except FileNotFoundError:
+        pytest.skip("the zoo is not shipped in this checkout")
+    cfg = BenchConfig(mode="spec", spec_drafters=["ngram"], new_tokens=6, repeats=1, num_prompts=1, depths=[0, 2],
+                      widths=[1, 2], lams=[0.0])  # fmt: skip
+    res = bench_spec(cfg)
+    for wl in ("code", "prose"):
+        assert {r["drafter"] for r in res[wl]["rows"]} == {"ngram"} and all(r["exact"] for r in res[wl]["rows"])
+        assert "assisted" not in res[wl] and "lambda_sweep" not in res[wl]
