@@ -112,6 +112,14 @@ class GridConf:
 
 
 @dataclass
+class WallclockConf:
+    """`python -m ctrl.wallclock`: whose policies (an entry of `costs`) run in the live engine, and repeats."""
+
+    cost: str = "measured-cpu"
+    repeats: int = 3
+
+
+@dataclass
 class MainConf:
     workloads: WorkloadsConf = field(default_factory=WorkloadsConf)
     models: ModelsConf = field(default_factory=ModelsConf)
@@ -134,6 +142,7 @@ class MainConf:
     # processes: recording shares every workload's requests among them (env.record_pool; the measured seconds
     # are then taken with every core busy), and the cost models train and evaluate side by side; 1: one process
     workers: int = 2
+    wallclock: WallclockConf = field(default_factory=WallclockConf)  # ctrl.wallclock only
 
 
 ConfigStore.instance().store(name="main_schema", node=MainConf)

@@ -439,7 +439,8 @@ def evaluate(
             gap = orc["committed_per_cost"] - base["committed_per_cost"]  # < 0.1 % of the baseline: no headroom
             extras["headroom"].setdefault(learner, {})[name] = [
                 (r["committed_per_cost"] - base["committed_per_cost"]) / gap
-                if gap > 1e-3 * base["committed_per_cost"] else float("nan")
+                if gap > 1e-3 * base["committed_per_cost"]
+                else float("nan")
                 for r in seed_rows
             ]
             extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, best_train)

@@ -616,6 +616,28 @@ def test_train_and_evaluate_entry_points(smoke_run):
     assert {"learned", "learned-seed0", "oracle"} <= {r["policy"] for r in rows}
 
 
+def test_wallclock_entry_point(smoke_run):
+    """`python -m ctrl.wallclock`: static-best-test and every cached learned seed deployed in the live engine,
+    exact against target-only (checked inside), a speed-up per policy and workload; bad options fail first."""
+    tmp, _, _ = smoke_run
+    run = tmp / "wallclock_run"
+    cmd = [sys.executable, "-m", "ctrl.wallclock", "+experiment=main_smoke", "wallclock.repeats=1",
+           f"hydra.run.dir={run}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((run / "wallclock.json").read_text())
+    assert res["cost"] == "measured-cpu" and set(res["workloads"]) == {"code", "prose"}
+    for w in res["workloads"].values():
+        assert set(w["speedup"]) == {"static-best-test", "aggrevate-seed0", "ppo-seed0"}
+        assert all(0 < v < 100 for v in w["speedup"].values()) and w["target_only_seconds"] > 0
+    assert "wall-clock speed-up" in proc.stdout
+    for bad, msg in (("wallclock.cost=h100", "not one of costs"), ("wallclock.repeats=0", "repeats must be >= 1")):
+        proc = subprocess.run([sys.executable, "-m", "ctrl.wallclock", "+experiment=main_smoke", bad,
+                               f"hydra.run.dir={tmp / 'wc_bad'}"], cwd=tmp, env=_env(tmp), capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert proc.returncode != 0 and msg in proc.stderr
+
+
 def test_aggrevate_static_expert_q(trained):
     """Q_s(t, a_s) is a_s's own return-to-go, so following a_s has zero regret against Q_s, and the best Q_s
     action at t = 0 is never worse than a_s (one policy-improvement step)."""

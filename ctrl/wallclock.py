@@ -1,0 +1,141 @@
+"""`python -m ctrl.wallclock`: the policies' wall-clock speed-up on the live engine, held-out prompts, this machine.
+
+    python -m ctrl.wallclock                                   # measured-cpu policies, the default (EAGLE) job
+    python -m ctrl.wallclock +experiment=ngram                 # the prompt-lookup job
+    python -m ctrl.wallclock wallclock.cost=roofline-h200-qwen3_30b_a3b wallclock.repeats=5
+
+The replay tables price a round with a cost model that counts drafting and target verification only (`T_book` = 0:
+env.cost_model), so neither the engine's host work per round (tree growth, acceptance, KV commit and rollback), nor
+the calibrated rule's per-node lookups, nor the controller's choice is in "this machine's measured cost". This
+entry point deploys, in the real engine, static-best-test (the grid action of least modelled cost on the held-out
+prompts under `wallclock.cost`, as the evaluation picks it) and every cached learned seed trained under that cost
+(trained now if absent, as `python -m ctrl` does), each interleaved with target-only decoding on the same
+held-out prompt at batch 1, `wallclock.repeats` times; a policy's speed-up = Σ over prompts of target-only's
+fastest repeat ÷ Σ of its own fastest, and every run's tokens must equal target-only's (exact methods). Prints the
+table and writes `wallclock.json` into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from ctrl.config import MainConf
+from ctrl.pipeline import calibrate, check_conf, fit_acceptance_model, grid_of, record_traces, replay_env, split
+
+
+def _static_best_test(conf: MainConf, trace: Any, cost: Any, calibration: Any, acceptance: Any) -> Any:
+    """The SpecConfig of the grid action of least modelled cost on the held-out requests (static-best-test)."""
+    from ctrl.aggrevate import best_static_action
+
+    _, test_ids = split(trace, conf)
+    env = replay_env(trace, cost, grid_of(conf), test_ids, calibration, acceptance)
+    spec = grid_of(conf).spec(env.unwrapped.codec.unflat(best_static_action(env, test_ids)))
+    return replace(spec, acceptance=acceptance) if spec.verify_rule == "calibrated" else spec
+
+
+def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int, progress=None) -> dict[str, Any]:
+    """{workload: {"static-best-test": {...}, "<learner>-seed<k>": {...}}}: wall-clock speed-ups (module docstring)."""
+    import engine
+    from ctrl.stages import learned_policies
+    from engine.runtime.frozen import load_frozen_policy
+    from env.models import load_models
+
+    cost = next(c for c in conf.costs if c.name == cost_name)  # check_wallclock: it exists
+    calibration, acceptance = calibrate(conf, traces), fit_acceptance_model(conf, traces)
+    learned = learned_policies(conf, traces, cost)
+    m = conf.models
+    target, drafter, _ = load_models(m.target, m.drafter, m.predictor)
+    base = engine.Engine(target)
+    spec_engine = engine.Engine(target, drafter=drafter, calibration=calibration, acceptance=acceptance)
+    out: dict[str, Any] = {}
+    for name in sorted(traces):
+        trace = traces[name]
+        _, test_ids = split(trace, conf)
+        prompts = [trace.prompt(int(i)).tolist() for i in test_ids]
+        runs: dict[str, dict] = {"static-best-test": {"spec": _static_best_test(conf, trace, cost, calibration,
+                                                                                 acceptance)}}  # fmt: skip
+        for learner, paths in learned.items():
+            for p in paths:
+                runs[f"{learner}-{p.name}"] = {"policy": load_frozen_policy(p)}
+        n_new = conf.workloads.max_new_tokens
+        base.generate(prompts[:1], 4)  # warm both engines and every policy once
+        for kw in runs.values():
+            spec_engine.generate(prompts[:1], 4, **kw)
+        best_base = [float("inf")] * len(prompts)
+        best = {k: [float("inf")] * len(prompts) for k in runs}
+        for _ in range(repeats):
+            for i, p in enumerate(prompts):
+                t0 = time.perf_counter()
+                ref = base.generate([p], n_new)[0].token_ids
+                best_base[i] = min(best_base[i], time.perf_counter() - t0)
+                for k, kw in runs.items():
+                    t0 = time.perf_counter()
+                    got = spec_engine.generate([p], n_new, **kw)[0].token_ids
+                    best[k][i] = min(best[k][i], time.perf_counter() - t0)
+                    if got != ref:
+                        raise AssertionError(f"{name} request {test_ids[i]}: {k} committed other tokens than "
+                                             "target-only decoding")  # fmt: skip
+                if progress is not None:
+                    progress(1)
+        spec = runs["static-best-test"]["spec"]
+        out[name] = {
+            "target_only_seconds": sum(best_base),
+            "static_best_test_action": dict(
+                depth=spec.depth, width=spec.width, lam=spec.lam, rule=spec.verify_rule, threshold=spec.verify_threshold
+            ),  # fmt: skip
+            "speedup": {k: sum(best_base) / sum(v) for k, v in best.items()},
+        }
+    return out
+
+
+def check_wallclock(conf: MainConf, cost_name: str, repeats: int) -> None:
+    """Clear errors before any work: the cost model is one of `costs`, repeats >= 1, a drafter is configured."""
+    check_conf(conf)
+    names = [c.name for c in conf.costs]
+    if cost_name not in names:
+        raise ValueError(f"wallclock.cost={cost_name!r} is not one of costs {names}")
+    if repeats < 1:
+        raise ValueError(f"wallclock.repeats must be >= 1, got {repeats}")
+    if not conf.models.drafter:
+        raise ValueError("wallclock needs a drafter (models.drafter): every policy here speculates")
+
+
+def print_table(res: dict[str, Any], cost_name: str) -> None:
+    """The speed-ups, one row per policy, one column per workload."""
+    names = sorted(res)
+    policies = list(next(iter(res.values()))["speedup"]) if res else []
+    print(f"== wall-clock speed-up over target-only decoding, live engine, batch 1, held-out prompts; policies "
+          f"chosen / trained under {cost_name} ==")  # fmt: skip
+    print(f"{'policy':<24}" + "".join(f"{n:>10}" for n in names))
+    for p in policies:
+        print(f"{p:<24}" + "".join(f"{res[n]['speedup'][p]:>9.3f}x" for n in names))
+
+
+@hydra.main(config_path="../conf", config_name="main", version_base=None)
+def main(cfg) -> None:
+    conf: MainConf = OmegaConf.to_object(cfg)
+    w = conf.wallclock
+    check_wallclock(conf, w.cost, w.repeats)
+    out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / conf.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    traces = record_traces(conf)
+    total = w.repeats * sum(len(split(t, conf)[1]) for t in traces.values())
+    bar = tqdm(total=total, desc="wall-clock runs (prompt × repeat)", disable=not conf.progress)
+    res = measure(conf, traces, w.cost, w.repeats, progress=bar.update)
+    bar.close()
+    print_table(res, w.cost)
+    (out_dir / "wallclock.json").write_text(json.dumps({"cost": w.cost, "repeats": w.repeats, "workloads": res},
+                                                       indent=2))  # fmt: skip
+    print(f"wrote {out_dir / 'wallclock.json'}")
+
+
+if __name__ == "__main__":
+    main()
