@@ -628,9 +628,13 @@ def test_wallclock_entry_point(smoke_run):
     res = json.loads((run / "wallclock.json").read_text())
     assert res["cost"] == "measured-cpu" and set(res["workloads"]) == {"code", "prose"}
     for w in res["workloads"].values():
-        assert set(w["speedup"]) == {"static-best-test", "aggrevate-seed0", "ppo-seed0"}
+        assert set(w["speedup"]) == set(w["replay_speedup"]) == {"static-best-test", "aggrevate-seed0", "ppo-seed0"}
         assert all(0 < v < 100 for v in w["speedup"].values()) and w["target_only_seconds"] > 0
-    assert "wall-clock speed-up" in proc.stdout
+    smoke = {(r["workload"], r["policy"]): r["speedup_vs_ar"] for r in json.loads((tmp / "run" / "results.json")
+             .read_text()) if r["cost_model"] == "measured-cpu" and r["backend"] == "replay"}  # fmt: skip
+    for wl, w in res["workloads"].items():  # the replay figures are the evaluation's, for the same policies
+        assert w["replay_speedup"]["static-best-test"] == pytest.approx(smoke[wl, "static-best-test"], rel=1e-9)
+    assert "speed-up over target-only decoding on the held-out prompts: wall clock" in proc.stdout
     for bad, msg in (("wallclock.cost=h100", "not one of costs"), ("wallclock.repeats=0", "repeats must be >= 1")):
         proc = subprocess.run([sys.executable, "-m", "ctrl.wallclock", "+experiment=main_smoke", bad,
                                f"hydra.run.dir={tmp / 'wc_bad'}"], cwd=tmp, env=_env(tmp), capture_output=True,
