@@ -68,11 +68,10 @@ def static_q(env: Any, request: int, action: int) -> np.ndarray:
 
 
 def best_static_action(env: Any, requests: Sequence[int]) -> int:
-    """The flat grid action of least total cost over `requests` used statically (env.oracle.static_returns)."""
-    from env.oracle import static_returns
+    """The flat grid action of least total cost over `requests` used statically (ctrl.rollout.static_costs)."""
+    from ctrl.rollout import static_costs
 
-    total = sum(static_returns(env, int(i))[1] for i in requests)
-    return int(np.argmin(total))
+    return int(np.argmin(static_costs(env, [int(i) for i in requests])))
 
 
 EXPERTS = ("oracle", "static")
@@ -140,19 +139,22 @@ def _snapshot(policy: Any) -> dict[str, torch.Tensor]:
 
 
 def policy_return(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any) -> float:
-    """Total episode return Σ (R − T_spec/T_AR) of `policy` alone (argmax actions) over `requests`."""
+    """Total episode return Σ (R − T_spec/T_AR) of `policy` alone (argmax actions) over `requests` (the env's
+    reward of each round, from its RoundStats)."""
+    from ctrl.rollout import run_requests
+
     total = 0.0
     for env, reqs in zip(envs, requests):
-        e = env.unwrapped
-        for i in reqs:
-            vec, _ = e.reset(options={"request": int(i)})
-            done = False
-            while not done:
-                with torch.no_grad():
-                    a = int(joint_log_prob(policy, torch.as_tensor(vec).unsqueeze(0), e.codec.nvec).argmax())
-                vec, reward, term, trunc, _ = e.step(e.codec.encode(e.codec.unflat(a)))
-                total += float(reward)
-                done = term or trunc
+        codec = env.unwrapped.codec
+
+        def act(vec, codec=codec):
+            with torch.no_grad():
+                a = int(joint_log_prob(policy, torch.as_tensor(vec).unsqueeze(0), codec.nvec).argmax())
+            return codec.encode(codec.unflat(a))
+
+        for rounds in run_requests(env, [int(i) for i in reqs], act, "index"):
+            for r in rounds:
+                total += float(r.committed - r.cost / r.cost_ar)
     return total
 
 

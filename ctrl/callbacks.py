@@ -45,25 +45,22 @@ class Track(BaseCallback):
 
 
 def held_out_speedup(model: Any, envs: Mapping[str, Any]) -> dict[str, float]:
-    """{workload: Σ committed / Σ (T_spec / T_AR)} of `model`'s deterministic actions over every request of each
-    replay env (its `requests`), and "all" over them together: committed tokens per cost ÷ plain decoding's."""
+    """{workload: speedup_vs_ar} of `model`'s deterministic actions over every request of each replay env (its
+    `requests`; ctrl.metrics: Σ committed / Σ (T_spec / T_AR), committed tokens per cost ÷ plain decoding's), and
+    "all" over them together."""
+    from ctrl.metrics import summarize
+    from ctrl.rollout import run_requests
+
     vn = model.get_vec_normalize_env()
-    out, tot_c, tot_t = {}, 0.0, 0.0
-    for name, env in envs.items():
-        committed = cost = 0.0
-        for req in env.unwrapped.requests:
-            obs, _ = env.reset(options={"request": int(req)})
-            done = False
-            while not done:
-                x = vn.normalize_obs(obs[None]) if vn is not None else obs[None]
-                action, _ = model.predict(x, deterministic=True)
-                obs, _, terminated, truncated, info = env.step(action[0])
-                committed += info["committed"]
-                cost += info["cost"] / info["cost_ar"]
-                done = terminated or truncated
-        out[name] = committed / cost if cost > 0 else float("nan")
-        tot_c, tot_t = tot_c + committed, tot_t + cost
-    out["all"] = tot_c / tot_t if tot_t > 0 else float("nan")
+
+    def act(vec):
+        x = vn.normalize_obs(vec[None]) if vn is not None else vec[None]
+        return model.predict(x, deterministic=True)[0][0]
+
+    runs = {name: run_requests(env, [int(i) for i in env.unwrapped.requests], act, "index")
+            for name, env in envs.items()}  # fmt: skip
+    out = {name: summarize(reqs).speedup_vs_ar for name, reqs in runs.items()}
+    out["all"] = summarize([q for reqs in runs.values() for q in reqs]).speedup_vs_ar
     return out
 
 

@@ -29,7 +29,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ctrl.config import MainConf
+from ctrl.metrics import summarize
 from ctrl.pipeline import calibrate, check_conf, fit_acceptance_model, grid_of, record_traces, replay_env, split
+from ctrl.rollout import frozen_runner, run_requests, static_runner
 
 
 def _static_best_test(env: Any, requests: list[int], acceptance: Any) -> tuple[tuple[int, ...], Any]:
@@ -41,19 +43,6 @@ def _static_best_test(env: Any, requests: list[int], acceptance: Any) -> tuple[t
     idx = tuple(int(v) for v in e.codec.unflat(best_static_action(env, requests)))
     spec = e.grid.spec(idx)
     return idx, (replace(spec, acceptance=acceptance) if spec.verify_rule == "calibrated" else spec)
-
-
-def replay_speedup(env: Any, requests: list[int], choose: Any) -> float:
-    """Σ committed / Σ (T_spec / T_AR) over `requests` replayed with `choose(obs vector) -> grid indices`: the
-    modelled speed-up the evaluation reports, for the same policy the clock runs."""
-    e, committed, cost = env.unwrapped, 0.0, 0.0
-    for req in requests:
-        vec, _ = env.reset(options={"request": int(req)})
-        done = False
-        while not done:
-            vec, _, term, trunc, info = env.step(e.codec.encode(choose(vec)))
-            committed, cost, done = committed + info["committed"], cost + info["cost"] / info["cost_ar"], term or trunc
-    return committed / cost
 
 
 def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int, progress=None) -> dict[str, Any]:
@@ -101,10 +90,12 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
                                              "target-only decoding")  # fmt: skip
                 if progress is not None:
                     progress(1)
-        choosers = {k: (lambda v, i=idx: i) if k == "static-best-test" else kw["policy"].act_index
-                    for k, kw in runs.items()}  # fmt: skip
+        actors = {k: static_runner(env, idx) if k == "static-best-test" else frozen_runner(kw["policy"], env)
+                  for k, kw in runs.items()}  # fmt: skip
         out[name] = {
-            "replay_speedup": {k: replay_speedup(env, test_ids, c) for k, c in choosers.items()},
+            "replay_speedup": {
+                k: summarize(run_requests(env, test_ids, a, "index")).speedup_vs_ar for k, a in actors.items()
+            },  # fmt: skip
             "target_only_seconds": sum(best_base),
             "static_best_test_action": dict(
                 depth=spec.depth, width=spec.width, lam=spec.lam, rule=spec.verify_rule, threshold=spec.verify_threshold
