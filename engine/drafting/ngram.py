@@ -10,7 +10,7 @@ import torch
 from engine.drafting.protocol import DraftRequest
 from engine.drafting.selection import select_verified
 from engine.drafting.suffix import SuffixMatch, suffix_match
-from engine.drafting.tree_growth import _node_budget, stored_cond
+from engine.drafting.tree_growth import _node_budget, kept_by_score, stored_cond
 from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
@@ -71,10 +71,9 @@ class NGramDrafter:
 
     @staticmethod
     def _rule(tokens: list[int], spec: SpecConfig, tok: list[int], par: list[int], dep: list[int], pp: list[float]):
-        """The threshold / calibrated verification rule on a lookup tree, as trace replay applies it to the
-        recorded one (env.tables: the nodes, in drafting order, whose score clears the threshold and whose parent
-        was kept; confidence per depth = the largest stored conditional score kept there, up to the first depth
-        with none): threshold on the float32 path score, calibrated on the acceptance model's path probability."""
+        """The threshold / calibrated verification rule on a lookup tree (`kept_by_score`, as trace replay applies
+        it to the recorded one): threshold on the float32 path score, calibrated on the acceptance model's path
+        probability; conditional scores as a trace stores them (`stored_cond`)."""
         cond = [1.0] + [stored_cond(pp[j], pp[par[j]]) for j in range(1, len(tok))]
         if spec.verify_rule == "threshold":
             score, thr = [float(np.float32(x)) for x in pp], float(np.float32(spec.verify_threshold))
@@ -82,17 +81,8 @@ class NGramDrafter:
             if spec.acceptance is None:
                 raise ValueError("verify_rule 'calibrated' needs spec.acceptance (an AcceptanceModel)")
             score, thr = spec.acceptance.tree(tokens, tok, par, cond), float(spec.verify_threshold)
-        keep, new, best = [0], {0: 0}, {}
-        for j in range(1, len(tok)):
-            if score[j] >= thr and par[j] in new:
-                new[j] = len(keep)
-                keep.append(j)
-                best[dep[j]] = max(best.get(dep[j], -1.0), cond[j])
-        confidence = []
-        for d in range(1, max(dep) + 1):
-            if d not in best:
-                break
-            confidence.append(best[d])
+        keep, confidence = kept_by_score(list(range(len(tok))), score, thr, par, dep, cond)
+        new = {j: i for i, j in enumerate(keep)}
         return ([tok[j] for j in keep], [new[par[j]] if j else -1 for j in keep], [dep[j] for j in keep],
                 [pp[j] for j in keep], confidence)  # fmt: skip
 

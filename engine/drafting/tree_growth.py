@@ -33,6 +33,27 @@ def stored_cond(path_prob: float, parent_path_prob: float) -> float:
     return float(np.float32(pp / parent if parent > 0 else pp))
 
 
+def kept_by_score(
+    order: list[int], score: list[float], threshold: float, parents: list[int], depths: list[int], cond: list[float]
+) -> tuple[list[int], list[float]]:
+    """The threshold / calibrated verification rule on an already grown tree: (the nodes of `order` — drafting
+    order, root first — whose score clears `threshold` and whose parent was kept, the confidence per depth = the
+    largest conditional probability kept there, up to the first depth with none). Node-indexed lists; the
+    prompt-lookup drafter and trace replay (env.tables) both apply the rule through this one function."""
+    kept, keep, best = {order[0]}, [order[0]], {}
+    for j in order[1:]:
+        if score[j] >= threshold and parents[j] in kept:
+            kept.add(j)
+            keep.append(j)
+            d = depths[j]
+            if cond[j] > best.get(d, -1.0):
+                best[d] = cond[j]
+    confidence = []
+    while len(confidence) + 1 in best:
+        confidence.append(best[len(confidence) + 1])
+    return keep, confidence
+
+
 def drafts_iid(spec: SpecConfig, params: SamplingParams) -> bool:
     """Children drawn i.i.d. from the drafter, verified by min(1, p/q): sampling, generator mode, drafted."""
     return spec.use_drafted_children and not params.greedy and not params.position_keyed
