@@ -35,7 +35,7 @@ from ctrl.config import MainConf
 from ctrl.pipeline import check_conf, record_traces
 from ctrl.report import markdown_report, plot_all, plot_headroom
 from ctrl.stages import run_cost_stages
-from env.costs import CostConf, drafter_spec_name
+from env.costs import LOOKUP_SPEC, CostConf, drafter_spec_name
 from env.models import NGRAM_DRAFTER
 
 
@@ -58,7 +58,7 @@ def boundary(cost, conf: MainConf) -> str:
                 "result)." if cost.policies_from else "")  # fmt: skip
     spec_name = drafter_spec_name(CostConf(drafter_spec=cost.drafter_spec), str(m.drafter), cost.model_spec)
     drafter = ("routing of the priced model from the identity-keyed synthetic router, drafter priced as "
-               + (f"host-side prompt lookup ({spec_name}: no device forward)" if spec_name == "prompt_lookup"
+               + (f"host-side prompt lookup ({spec_name}: no device forward)" if spec_name == LOOKUP_SPEC
                   else f"an EAGLE-3-style head ({cost.drafter_spec}), resident"))  # fmt: skip
     if cost.kind == "roofline":
         return (f"Cost: roofline of {cost.hardware.upper()} × {cost.model_spec} (experts resident, one device, no "

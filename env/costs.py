@@ -148,11 +148,19 @@ class FittedCostModel(CostModel):
         return cls(target, drafter, (trace.num_moe_layers, trace.num_experts, trace.top_r))
 
 
+LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model
+
+
+def _is_lookup(drafter_name: str | None) -> bool:
+    """Whether a trace's drafter name (ModelInfo.drafter_name, "<drafter>[+<predictor>]") is the prompt lookup."""
+    return bool(drafter_name) and drafter_name.split("+")[0] == NGRAM_DRAFTER
+
+
 def drafter_spec_name(conf: CostConf, drafter_name: str | None, model_spec: str) -> str:
     if conf.drafter_spec != "auto":
         return conf.drafter_spec
-    if drafter_name and drafter_name.split("+")[0] == NGRAM_DRAFTER:
-        return "prompt_lookup"  # model-free: the same host-side lookup whatever the priced model
+    if _is_lookup(drafter_name):
+        return LOOKUP_SPEC  # model-free: the same host-side lookup whatever the priced model
     kind = "mtp" if drafter_name and "mtp" in drafter_name else "eagle3"
     return f"{model_spec}_{kind}"
 
@@ -173,9 +181,8 @@ def make_cost_model(
         cfg = json.loads((Path(target_meta["path"]) / "config.json").read_text())
         spec = model_spec_from_hf_config(cfg, name="target")
         head = drafter_spec_from_hf_config(cfg, "eagle3", "target_head")  # a one-layer head at the target's size (zoo)
-        drafter = conf.drafter_spec if conf.drafter_spec != "auto" else head
-        if conf.drafter_spec == "auto" and drafter_name and drafter_name.split("+")[0] == NGRAM_DRAFTER:
-            drafter = "prompt_lookup"
+        drafter = conf.drafter_spec if conf.drafter_spec != "auto" else (LOOKUP_SPEC if _is_lookup(drafter_name)
+                                                                         else head)  # fmt: skip
     else:
         spec = load_model_spec(conf.model_spec)
         drafter = drafter_spec_name(conf, drafter_name, conf.model_spec)
