@@ -17,7 +17,8 @@ conf/model_spec; "target" = the recorded target's own shape), the drafter priced
 (conf/drafter_spec: "<model spec>_eagle3" or "_mtp"; engine.cost.drafter_cost). Verify cost equals
 RooflineCost.forward_cost(routing, context_len).total (no EP layout); every routed expert of a decode-sized
 forward is memory-bound, so only Σ_l U_l matters unless some expert could receive more than `hbm·flops`
-tokens, where the per-expert token counts are used. T_AR = the root alone (r experts per layer), T_book = 0.
+tokens, where the per-expert token counts are used. T_AR = the root alone (r experts per layer), T_book = 0 (the
+fitted kind measures it).
 The other kinds (env.costs.make_cost_model) build on it: fitted (env.costs), roofline-offload
 (env.cost_offload), roofline-ep (env.cost_ep).
 
@@ -76,12 +77,22 @@ class CostModel:
     def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
         """T_AR at `context_len`; `routing` [1, L, r]: the root's own routing (used where it matters: roofline-ep)."""
         L, _, r = self.routing_shape
-        return self.verify(1, L * r, context_len, np.ones((L, r), dtype=np.int64) if self.needs_counts(1) else None)
+        counts = np.ones((L, r), dtype=np.int64) if self.needs_counts(1) else None
+        return self.verify(1, L * r, context_len, counts) + self.book_ar()
 
-    def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int) -> float:
+    def draft(
+        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, scored: bool = False
+    ) -> float:
+        """T_draft of `drafted_depth` drafter forwards at width W; `scored`: the verification rule scores the nodes
+        as they grow (any rule but "all"), which only a measured cost prices (the fitted kind)."""
         raise NotImplementedError
 
+    def book_ar(self) -> float:
+        """The host work of a target-only engine's step, a part of T_AR (0 unless measured: the fitted kind)."""
+        return 0.0
+
     def book(self, n: int) -> float:
+        """T_book: the engine's host work of a round verifying n tokens (0 unless measured: the fitted kind)."""
         return 0.0
 
     def price(
@@ -93,32 +104,28 @@ class CostModel:
         width: int,
         expert_aware: bool,
         counts: np.ndarray | None = None,
+        scored: bool = False,
     ) -> RoundCost:
         return RoundCost(
-            draft=self.draft(drafted_depth, width, expert_aware, context_len) if drafted_depth > 0 else 0.0,
+            draft=self.draft(drafted_depth, width, expert_aware, context_len, scored) if drafted_depth > 0 else 0.0,
             verify=self.verify(n, distinct_total, context_len, counts),
             book=self.book(n),
             ar=self.ar(context_len),
         )
 
     def verify_costs(self, max_nodes: int, context_len: int = 256) -> tuple[float, ...]:
-        """T_verify(m + 1) / T_AR for m = 0..max_nodes under uniform independent routing (the goodput rule's
-        profile; fixed per environment so live and replay select alike)."""
+        """(T_verify + T_book)(m + 1) / T_AR for m = 0..max_nodes under uniform independent routing (the goodput
+        rule's profile; fixed per environment so live and replay select alike)."""
         L, E, r = self.routing_shape
         ar = self.ar(context_len)
         out = []
         for m in range(max_nodes + 1):
             n = m + 1
             distinct = L * E * (1.0 - (1.0 - r / E) ** n)
-            out.append(
-                self.verify(
-                    n,
-                    int(round(distinct)),
-                    context_len,
-                    None if not self.needs_counts(n) else _uniform_counts(L, E, r, n),
-                )
-                / ar
+            verify = self.verify(
+                n, int(round(distinct)), context_len, None if not self.needs_counts(n) else _uniform_counts(L, E, r, n)
             )
+            out.append((verify + self.book(n)) / ar)
         return tuple(float(x) for x in out)
 
 
@@ -197,5 +204,7 @@ class RooflineCostModel(CostModel):
             + LAUNCHES_PER_FORWARD * hw.launch_overhead
         )
 
-    def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int) -> float:
+    def draft(
+        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, scored: bool = False
+    ) -> float:
         return self.drafter.round_cost(drafted_depth, width, context_len, expert_aware)

@@ -7,9 +7,12 @@ Cost models (`make_cost_model`, `CostConf.kind`):
 
 - "roofline": env.cost_model.RooflineCostModel, engine.cost.roofline's per-layer roofline of a hardware
   profile × model spec with the experts resident on one device, no EP; the drafter priced by a drafter spec.
-- "fitted": the measured cost of this machine: engine.cost.fitted's two-regime linear fit of target
-  seconds (fixed + per token + per active expert + per layer·context) plus the drafter's own fitted
-  seconds (engine.cost.drafter_cost.FittedDrafterCost), both fitted to a trace's calibration samples.
+- "fitted": the measured cost of this machine, fitted to a trace's calibration samples: engine.cost.fitted's
+  two-regime linear fit of target seconds (fixed + per token + per active expert + per layer·context), the
+  drafter's fitted seconds (engine.cost.drafter_cost.FittedDrafterCost) and the engine's host work per round,
+  T_book (engine.cost.host_cost). Verification (n >= 2) is fitted to the recorder's timed forwards; the
+  single-token forward (n = 1, and T_AR's, a target-only engine's), the drafting and the host work to the
+  timed live rounds at batch 1 (env.host_calibration), which run the engine's own code paths.
 - "roofline-offload" (env.cost_offload): the roofline with the routed experts in host memory and a per-layer
   device cache (`offload_cache` = its share of the experts, LRU or LFU); every missed (layer, expert) pair of a
   verification is moved over the profile's PCIe link. Stateful (`stateful = True`): the cache lives for an
@@ -39,7 +42,8 @@ from engine.cost.drafter_cost import (
     drafter_spec_from_hf_config,
     fit_drafter_cost,
 )
-from engine.cost.fitted import CostSample, DecodeVerifyCost, fit_two_regimes
+from engine.cost.fitted import CostSample, DecodeVerifyCost, FittedCost, fit_cost_model, fit_two_regimes
+from engine.cost.host_cost import HostCost, fit_host_cost
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
 from env.cost_model import CostModel, RooflineCostModel, RoundCost
 from env.models import NGRAM_DRAFTER
@@ -66,6 +70,14 @@ class CostConf:
     ep_placement: str = "contiguous"  # roofline-ep: contiguous | round_robin | load_balanced
 
 
+SCORED_RULES = ("threshold", "calibrated")  # rules that score the nodes as the tree grows (engine.drafting)
+
+
+def is_scored(spec: Any) -> bool:
+    """Whether `spec`'s verification rule scores nodes during drafting (drafting then costs more: FittedDrafterCost)."""
+    return spec.verify_rule in SCORED_RULES
+
+
 def drafter_steps(depth_cap: int, built_depth: int, spec: Any) -> int:
     """Drafter forwards a round takes: one per depth grown. Under the threshold and calibrated rules growth stops
     at the first depth with no node above the threshold (engine.drafting.tree_growth), after built_depth + 1
@@ -76,20 +88,30 @@ def drafter_steps(depth_cap: int, built_depth: int, spec: Any) -> int:
 
 
 class FittedCostModel(CostModel):
-    """Measured cost of this machine: fitted target seconds + fitted drafter seconds (module docstring)."""
+    """Measured cost of this machine: fitted target, drafter and host seconds (module docstring)."""
 
     deterministic = True
 
     def __init__(
-        self, target: DecodeVerifyCost, drafter: FittedDrafterCost, routing_shape: tuple[int, int, int]
+        self,
+        target: DecodeVerifyCost,
+        drafter: FittedDrafterCost,
+        routing_shape: tuple[int, int, int],
+        host: HostCost | None = None,
+        plain_step: FittedCost | None = None,
     ) -> None:
+        """plain_step: a target-only engine's forward (T_AR's; default `target.decode`)."""
         self.target, self.drafter_fit = target, drafter
+        self.host = host if host is not None else HostCost(0.0, 0.0, 0.0, 0.0)
+        self.plain_step = plain_step if plain_step is not None else target.decode
         self.routing_shape = routing_shape
         self.name = "fitted"
         self.params = [
             dataclasses.asdict(target.decode),
             dataclasses.asdict(target.verify),
             dataclasses.asdict(drafter),
+            dataclasses.asdict(self.host),
+            dataclasses.asdict(self.plain_step),
         ]
 
     def verify(
@@ -103,8 +125,21 @@ class FittedCostModel(CostModel):
         m = self.target.decode if n <= 1 else self.target.verify
         return m.seconds(n, distinct_total, self.routing_shape[0], context_len)
 
-    def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int) -> float:
-        return self.drafter_fit.round_cost(drafted_depth, width, context_len, expert_aware)
+    def draft(
+        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, scored: bool = False
+    ) -> float:
+        return self.drafter_fit.round_cost(drafted_depth, width, context_len, expert_aware, scored)
+
+    def book(self, n: int) -> float:
+        return self.host.book(n)
+
+    def book_ar(self) -> float:
+        return self.host.plain
+
+    def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
+        """T_AR: a target-only engine's step, its forward and its host work."""
+        L, _, r = self.routing_shape
+        return self.plain_step.seconds(1, L * r, L, context_len) + self.host.plain
 
     @classmethod
     def from_trace(cls, trace: Any) -> FittedCostModel:
@@ -134,18 +169,35 @@ class FittedCostModel(CostModel):
                     float(a["cal_target_seconds"][s]),
                 )
             )
+        shape = (trace.num_moe_layers, trace.num_experts, trace.top_r)
         target = fit_two_regimes(samples)
-        drafter = fit_drafter_cost(
-            list(
-                zip(
-                    a["cal_draft_depth"].tolist(),
-                    a["cal_draft_width"].tolist(),
-                    a["cal_draft_aware"].tolist(),
-                    a["cal_draft_seconds"].tolist(),
-                )
-            )
-        )
-        return cls(target, drafter, (trace.num_moe_layers, trace.num_experts, trace.top_r))
+        plain, n = a["cal_live_plain"], a["cal_live_verified"]
+        decode = _single_token_fit(a, ~plain & (n <= 1), shape) or target.decode
+        plain_step = _single_token_fit(a, plain, shape) or decode
+        recorded = zip(a["cal_draft_depth"].tolist(), a["cal_draft_width"].tolist(), a["cal_draft_aware"].tolist(),
+                       a["cal_draft_seconds"].tolist())  # fmt: skip
+        drafted = a["cal_live_draft_steps"] > 0
+        live = zip(a["cal_live_draft_steps"][drafted].tolist(), a["cal_live_width"][drafted].tolist(),
+                   [False] * int(drafted.sum()), a["cal_live_draft_seconds"][drafted].tolist(),
+                   a["cal_live_scored"][drafted].tolist())  # fmt: skip
+        drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
+        host = fit_host_cost(a["cal_live_verified"], a["cal_live_host_seconds"], plain)
+        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step)
+
+
+def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):
+    """FittedCost of the timed live single-token forwards `rows` (fixed + per layer·context: one token routes to
+    L·r experts), or None when they cannot identify it."""
+    L, _, r = shape
+    routing = [torch.arange(r)[None]] * L  # L x [1, r]: Σ_l U_l = L·r, what every single token has
+    samples = [CostSample(routing, int(c), float(t))
+               for c, t in zip(arrays["cal_live_context"][rows], arrays["cal_live_forward_seconds"][rows])]  # fmt: skip
+    if len(samples) < 3:
+        return None
+    try:
+        return fit_cost_model(samples)[0]
+    except ValueError:
+        return None
 
 
 LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model

@@ -46,7 +46,15 @@ from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
 from env.actions import ActionCodec, as_grid
-from env.costs import REPLAY_ONLY_KINDS, CostConf, RoundCost, drafter_steps, make_cost_model, uses_recorded_routing
+from env.costs import (
+    REPLAY_ONLY_KINDS,
+    CostConf,
+    RoundCost,
+    drafter_steps,
+    is_scored,
+    make_cost_model,
+    uses_recorded_routing,
+)
 from env.models import load_models
 from env.replay import as_cost_conf
 from env.tables import footprint_of, pairs_int
@@ -206,8 +214,8 @@ class LiveEnv(gym.Env):
         if self.measured:
             cost = RoundCost(
                 draft=stats.time.get("draft", 0.0),
-                verify=stats.round_seconds - stats.time.get("draft", 0.0),
-                book=0.0,
+                verify=stats.time.get("forward", 0.0),
+                book=stats.host_seconds,
                 ar=self._ar_measured,
             )
         else:
@@ -216,7 +224,8 @@ class LiveEnv(gym.Env):
             if self.cost_model.needs_counts(n) and stats.tokens_per_expert is not None:
                 counts = stats.tokens_per_expert.numpy()
             steps = drafter_steps(kd, stats.built_depth, spec) if kd > 0 else 0
-            cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, steps, spec.width, aware, counts)
+            cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, steps, spec.width, aware, counts,
+                                         is_scored(spec))  # fmt: skip
         self._costs[rid] = cost
         return cost.total, cost.ar
 
@@ -371,8 +380,8 @@ class LiveEnv(gym.Env):
             st = stats[0]
             return RoundCost(
                 draft=st.time.get("draft", 0.0),
-                verify=st.round_seconds - st.time.get("draft", 0.0),
-                book=0.0,
+                verify=st.time.get("forward", 0.0),
+                book=st.host_seconds,
                 ar=self._ar_measured,
             )
         n = sum(x.verified_tokens for x in stats)
@@ -398,7 +407,8 @@ class LiveEnv(gym.Env):
             B, roots, ctx, None if not self.cost_model.needs_counts(B) else np.full((L, E), -(-B * r // E))
         )
         draft = max(c.draft for c in costs)  # one batched drafter forward per depth: priced as the deepest request's
-        return RoundCost(draft=draft, verify=verify, book=0.0, ar=ar)
+        cm = self.cost_model  # host work: the batch-1 fit at the batch's tokens (env.costs: timed at batch 1)
+        return RoundCost(draft=draft, verify=verify, book=cm.book(n), ar=ar + cm.book_ar())
 
     def close(self) -> None:
         if self.session is not None:

@@ -40,6 +40,7 @@ from engine.paths import cache_dir
 from engine.spec.config import MAX_DEPTH, MAX_WIDTH
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
+from env.host_calibration import HostCalibrator
 from env.models import ModelInfo, load_models
 from env.request_recorder import RequestRecorder
 from env.trace import (
@@ -237,6 +238,7 @@ def record(
     done = [i for i in mine if _load_part(parts_dir / f"req-{i:05d}.npz") is not None]
     if on_start is not None:
         on_start(len(mine), len(done))
+    host = None  # live rounds timed for the host-work term (env.host_calibration), with the calibration samples
     for i in mine:
         if i in done:
             continue
@@ -245,6 +247,11 @@ def record(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed if seed >= 0 else None, mode=s.mode
         )
         part = RequestRecorder(target, drafter, conf, prompt_ids[i], params, eos, lam_record, seed).run(on_position)
+        if conf.calibrate_every > 0:
+            host = host or HostCalibrator(target, drafter, conf.kmax, list(conf.widths), eos)
+            part.update(host.run(prompt_ids[i], conf.max_new_tokens, params))
+        else:
+            part.update(HostCalibrator.empty())
         _save_part(parts_dir / f"req-{i:05d}.npz", part)
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's shards are written before rank 0 merges

@@ -21,7 +21,9 @@ would draft, with what pricing and replay need (DESIGN.md §3):
      └── seconds               measured union verification and batched drafting
 
 plus calibration samples (measured target forwards of prefix-closed subsets and drafting rounds of
-random (K, W)) from which `engine.cost.fitted` / `engine.cost.drafter_cost` fit the measured cost.
+random (K, W)) from which `engine.cost.fitted` / `engine.cost.drafter_cost` fit the measured cost, and the
+timed live rounds of the engine (env.host_calibration), from which `engine.cost.host_cost` fits T_book and
+the fitted cost prices single-token forwards and drafting (version 2).
 
 File: one `.npz` per workload (numpy arrays below + `meta`, a JSON document: format version, target
 and drafter digests, drafter name, sampling, grid, workload), written atomically (temporary file in the
@@ -29,7 +31,7 @@ same folder, then os.replace). Loading a file of another format version, or chec
 model digest, raises TraceError naming the fix.
 
 Shape letters: R=requests P=positions (all requests) M=nodes (all positions) L=MoE layers r=top-r
-E=experts nW=grid widths S=calibration samples.
+E=experts nW=grid widths S=calibration samples H=timed live rounds.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the timed live rounds (cal_live_*)
 FORMAT_NAME = "expertspec-trace"
 
 # array name -> (dtype, per-what); the whole schema, checked on load
@@ -79,6 +81,15 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "cal_draft_width": ("int8", "[S']"),
     "cal_draft_aware": ("bool", "[S'] expert-aware (λ > 0) round"),
     "cal_draft_seconds": ("float32", "[S']"),
+    "cal_live_verified": ("int16", "[H] tokens a timed live round of the engine verified (1: root only)"),
+    "cal_live_plain": ("bool", "[H] the round ran on a target-only engine (no drafter)"),
+    "cal_live_context": ("int32", "[H] tokens in the target's cache before it (RoundStats.context_len)"),
+    "cal_live_draft_steps": ("int8", "[H] drafter forwards' depth: min(K, remaining - 1), 0 when nothing drafted"),
+    "cal_live_scored": ("bool", "[H] its verification rule scored the nodes as they grew (threshold)"),
+    "cal_live_width": ("int8", "[H] W"),
+    "cal_live_draft_seconds": ("float32", "[H] its drafting"),
+    "cal_live_forward_seconds": ("float32", "[H] its target forward"),
+    "cal_live_host_seconds": ("float32", "[H] its host work (RoundStats.host_seconds)"),
 }
 
 

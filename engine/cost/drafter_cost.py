@@ -164,30 +164,47 @@ class DrafterRoofline:
 
 @dataclass(frozen=True)
 class FittedDrafterCost:
-    """Measured drafting seconds ≈ fixed + per_forward · forwards + per_token · tokens (0 for depth 0).
+    """Measured drafting seconds ≈ fixed + per_forward · forwards + per_token · tokens
+    + scored · (scored_fixed + scored_per_token · tokens) (0 for depth 0).
 
-    forwards and tokens count `draft_forward_sizes(depth, width)` (the catch-up row included)."""
+    forwards and tokens count `draft_forward_sizes(depth, width)` (the catch-up row included); `scored`: the
+    verification rule scores every node as the tree grows (threshold, calibrated), which a model-free drafter's
+    round can cost more than its lookup (measured 2.4× with the prompt lookup on this CPU)."""
 
     fixed: float
     per_forward: float
     per_token: float
+    scored_fixed: float = 0.0
+    scored_per_token: float = 0.0
 
-    def round_cost(self, depth: int, width: int, context_len: int = 0, expert_aware: bool = False) -> float:
+    def round_cost(
+        self, depth: int, width: int, context_len: int = 0, expert_aware: bool = False, scored: bool = False
+    ) -> float:
         sizes = draft_forward_sizes(depth, width, expert_aware)
         if not sizes:
             return 0.0
-        return self.fixed + self.per_forward * len(sizes) + self.per_token * sum(sizes)
+        tokens = sum(sizes)
+        extra = self.scored_fixed + self.scored_per_token * tokens if scored else 0.0
+        return self.fixed + self.per_forward * len(sizes) + self.per_token * tokens + extra
 
 
-def fit_drafter_cost(samples: Sequence[tuple[int, int, bool, float]]) -> FittedDrafterCost:
-    """Least squares of FittedDrafterCost to (depth >= 1, width, expert_aware, seconds) samples; constants the
-    samples cannot identify are held at 0, and every constant is >= 0 (drafting more never saves time:
-    engine.cost.fitted.nonnegative_lstsq)."""
-    rows = [(1.0, len(z), sum(z), sec) for d, w, a, sec in samples if (z := draft_forward_sizes(d, w, a))]
+def fit_drafter_cost(samples: Sequence[tuple]) -> FittedDrafterCost:
+    """Least squares of FittedDrafterCost to (depth >= 1, width, expert_aware, seconds[, scored]) samples;
+    constants the samples cannot identify are held at 0, and every constant is >= 0 (drafting more never saves
+    time: engine.cost.fitted.nonnegative_lstsq)."""
+    rows = []
+    for d, w, a, sec, *rest in samples:
+        if z := draft_forward_sizes(d, w, a):
+            s = float(bool(rest and rest[0]))
+            rows.append((1.0, len(z), sum(z), s, s * sum(z), sec))
     if not rows:
         raise ValueError("fit_drafter_cost needs samples with depth >= 1")
-    X = np.array([r[:3] for r in rows])
-    y = np.array([r[3] for r in rows])
-    keep = [0] + [j for j in (1, 2) if np.ptp(X[:, j]) > 0]
+    X = np.array([r[:5] for r in rows])
+    y = np.array([r[5] for r in rows])
+    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # rank on comparable columns
+    keep = [0]
+    for j in (1, 2, 3, 4):  # a regressor the kept ones already span is not identifiable
+        if np.linalg.matrix_rank(scaled[:, keep + [j]], tol=1e-9) > len(keep):
+            keep.append(j)
     fitted = nonnegative_lstsq(X, y, keep)
-    return FittedDrafterCost(*(fitted.get(j, 0.0) for j in range(3)))
+    return FittedDrafterCost(*(fitted.get(j, 0.0) for j in range(5)))

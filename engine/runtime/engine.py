@@ -353,8 +353,20 @@ class Engine:
         return local if self.ep is None else bool(self.ep.any_active(local))
 
     # ------------------------------------------------------------------ one step
-    def _step(self, active: list[_Request], kv: PagedKVCache, actions: list[SpecConfig]) -> None:
-        """One round for every request in `active` with its validated action (SpecConfig)."""
+    def _step(
+        self,
+        active: list[_Request],
+        kv: PagedKVCache,
+        actions: list[SpecConfig],
+        started: float | None = None,
+        choosing: float = 0.0,
+    ) -> None:
+        """One round for every request in `active` with its validated action (SpecConfig).
+
+        started: perf_counter() when the caller's step began (Session.step: before the actions were chosen and
+        checked), `choosing` the seconds of that spent choosing them; the step's host work (RoundStats.host_seconds)
+        is the wall time since then minus choosing, drafting and the target's forward."""
+        started = time.perf_counter() if started is None else started
         self.target.set_backend(self.backend)
         timer = PhaseTimer() if self.timing else None
         trees: list[DraftTree] = []
@@ -371,9 +383,13 @@ class Engine:
             reqs = [
                 (active[i].index, active[i].tokens, specs[i], active[i].params, active[i].generator) for i in drafting
             ]
+            t_draft = time.perf_counter()
             drafted = self.drafter.draft_many(reqs)  # one drafter forward per depth for the whole batch
+            draft_wall = time.perf_counter() - t_draft
             for i, tree in zip(drafting, drafted):
                 trees[i] = tree
+        else:
+            draft_wall = 0.0
         items = []
         scratch: list[torch.Tensor] = []
         for r, tree in zip(active, trees):
@@ -396,6 +412,8 @@ class Engine:
             offload_stats = self.offload.stats.snapshot()
             self.offload.stats.reset()
         off = 0
+        done: list[tuple[_Request, RoundStats]] = []
+        tree_draft = {r.index: tree.draft_seconds for r, tree in zip(active, trees)}
         for r, tree, s, a, node_slots in zip(active, trees, specs, actions, scratch):
             n = tree.num_nodes
             t1 = time.perf_counter()
@@ -414,13 +432,18 @@ class Engine:
             stats = self._round_stats(r, tree, s, a, result, committed, out, off, n, phase, forward_seconds, book)
             stats.offload = offload_stats
             stats.batch_size = len(active)
+            done.append((r, stats))
+            off += n
+        if self.check_kv:
+            check_kv_invariant(self.target, kv, active)
+        host = max(0.0, time.perf_counter() - started - choosing - draft_wall - forward_seconds)
+        for r, stats in done:  # the whole step's host work, as its forward is the whole batch's (RoundStats)
+            stats.host_seconds = host
+            stats.round_seconds = forward_seconds + tree_draft[r.index] + host
             if self.round_cost is not None:
                 stats.cost, stats.cost_ar = self.round_cost(stats)
             r.rounds.append(stats)
             r.history.add(stats)
-            off += n
-        if self.check_kv:
-            check_kv_invariant(self.target, kv, active)
 
     def _verify(self, r: _Request, tree: DraftTree, logits: torch.Tensor, s: SpecConfig):
         if r.params.position_keyed:  # y_p = argmax(log p_target + g_p), also for K = 0 (engine.spec.gumbel)
@@ -490,8 +513,7 @@ class Engine:
         stats.time = dict(phase)
         stats.time["draft"] = tree.draft_seconds
         stats.time["forward"] = forward_seconds
-        stats.time["sampling"] = book
-        stats.round_seconds = forward_seconds + tree.draft_seconds + book
+        stats.time["sampling"] = book  # part of host_seconds, which `_step` sets with round_seconds
         return stats
 
     # ------------------------------------------------------------------ policy interface

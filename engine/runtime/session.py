@@ -223,11 +223,12 @@ class Session:
             if self.engine.ep is not None:
                 self.engine.ep.idle_step()
             return []
+        started = time.perf_counter()  # the step's host work counts from here (RoundStats.host_seconds)
         self._policy_seconds.clear()
         active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
         saved = [_Saved.of(r) for r in active]
         try:
-            self.engine._step(active, self.kv, specs)
+            self.engine._step(active, self.kv, specs, started=started, choosing=sum(self._policy_seconds.values()))
         except Exception as err:
             self._roll_back(active, saved, err)
             raise

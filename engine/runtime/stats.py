@@ -44,8 +44,12 @@ class RoundStats:
     rank_imbalance_mean: float | None = None  # virtual / real EP layout, max/mean per layer
     rank_imbalance_max: float | None = None
     cross_node_ratio: float | None = None
-    time: dict[str, float] = field(default_factory=dict)  # draft, forward, sampling (+ attention, router, ... timed)
-    round_seconds: float = 0.0  # measured cost of the round (batched step + this request's drafting)
+    time: dict[str, float] = field(default_factory=dict)  # draft, forward, sampling (verification and commit after the
+    # forward, a part of host_seconds) (+ attention, router, ... when timed)
+    round_seconds: float = 0.0  # measured cost of the round: forward + this request's drafting + host_seconds
+    host_seconds: float = 0.0  # the step's host work: its wall time from the session's step call on (Session.step;
+    # Engine._step when called alone) but the actions' choice, the drafting and the target's forward — tree packing,
+    # acceptance, KV commit / rollback, the drafter's state update, bookkeeping (T_book of DESIGN §3)
     policy_seconds: float = 0.0  # choosing this round's action (observation + policy call; 0 without a policy)
     modelled_seconds: float | None = None  # roofline cost, when a cost model is attached
     offload: Any = None  # engine.offload.cache.OffloadStats of the batched step (Engine(offload=...)); not imported:

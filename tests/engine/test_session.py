@@ -4,6 +4,8 @@ errors, clear errors that leave the session usable."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import engine
@@ -307,3 +309,23 @@ def test_policy_gets_the_shared_observation(zoo):
     assert all(r.policy_seconds > 0 for r in res.rounds)  # the choice of every round is timed
     (plain,) = engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, spec=CHAIN)
     assert all(r.policy_seconds == 0 for r in plain.rounds)  # no policy, no controller cost
+
+
+def test_round_seconds_are_drafting_forward_and_host_work_without_the_choice(zoo):
+    """RoundStats.round_seconds = drafting + the target's forward + host_seconds; a slow controller's choice is
+    its policy_seconds, never host work."""
+    target, drafter, prompts = zoo
+
+    def slow(obs):
+        time.sleep(0.02)
+        return CHAIN
+
+    (res,) = engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, policy=slow)
+    for r in res.rounds:
+        assert r.policy_seconds >= 0.02 and 0.0 < r.host_seconds < 0.02
+        assert r.round_seconds == pytest.approx(r.time["draft"] + r.time["forward"] + r.host_seconds)
+        assert r.host_seconds >= r.time["sampling"]  # verification and commit after the forward are a part of it
+    wall = time.perf_counter()
+    (alone,) = engine.Engine(target).generate(prompts[:1], 10)
+    wall = time.perf_counter() - wall
+    assert all(r.host_seconds > 0 for r in alone.rounds) and sum(r.round_seconds for r in alone.rounds) < wall

@@ -1,0 +1,69 @@
+"""The engine's host work per round, T_book of DESIGN §3, fitted to timed live rounds.
+
+A round's host work is its wall time minus the actions' choice, the drafting and the target's forward
+(`RoundStats.host_seconds`): packing the tree, acceptance, KV commit and rollback, the drafter's state update
+(an EAGLE head keeps the target's features of every committed token, even at K = 0), the session's bookkeeping.
+On a small target it is comparable to a verification, so a measured cost model that leaves it out overstates
+every speed-up (`python -m ctrl.wallclock` measured 15–25 % with the prompt-lookup drafter). Fitted here:
+
+    book(1) = single                          a round of a speculating engine that verifies the root alone (K = 0,
+                                              or nothing drafted): the engine's plain path, drafter state kept
+    book(n) = per_round + per_node·(n − 2)    one verifying n >= 2 tokens (tree verification, KV commit of the
+                                              accepted nodes, rollback of the rest)
+    plain                                     a step of a target-only engine (no drafter): a part of T_AR
+
+— two regimes, as the target's own forward has (engine.cost.fitted.DecodeVerifyCost): with the prompt-lookup
+drafter on the zoo target a root-only round took ~100 µs of host work and a two-token one ~250 µs —
+fitted by least squares with every constant >= 0 (engine.cost.fitted.nonnegative_lstsq). Least squares fits the mean,
+and the mean is what a request's total time accumulates, occasional slow rounds included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.cost.fitted import nonnegative_lstsq
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Seconds of host work: `book(n)` per speculating-engine round, `plain` per target-only step."""
+
+    single: float
+    per_round: float
+    per_node: float
+    plain: float
+
+    def book(self, n: int) -> float:
+        """Host seconds of a round verifying n tokens (root + verified draft nodes)."""
+        return self.single if n <= 1 else self.per_round + self.per_node * (int(n) - 2)
+
+
+def fit_host_cost(verified: Sequence[int], seconds: Sequence[float], plain: Sequence[bool]) -> HostCost:
+    """Fit HostCost to timed rounds: verified [S] tokens per round, seconds [S] of host work, plain [S] True for a
+    target-only engine's step. Needs target-only and speculating rounds; a regime without samples takes the
+    other's constant (no n >= 2 round: the root-only one), and with one n >= 2 only, per_node is held at 0."""
+    n = np.asarray(verified, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    is_plain = np.asarray(plain, dtype=bool)
+    if not (len(n) == len(y) == len(is_plain)):
+        raise ValueError(f"verified, seconds and plain differ in length ({len(n)}, {len(y)}, {len(is_plain)})")
+    if not np.all(np.isfinite(y)) or (y < 0).any():
+        raise ValueError("host seconds must be finite and >= 0")
+    if not is_plain.any() or is_plain.all():
+        raise ValueError(
+            f"fitting the host work needs rounds of a target-only engine and of a speculating one, got "
+            f"{int(is_plain.sum())} and {int((~is_plain).sum())}"
+        )
+    root_only, tree = ~is_plain & (n <= 1), ~is_plain & (n >= 2)
+    if tree.any():
+        X = np.stack([np.ones(int(tree.sum())), n[tree] - 2.0], axis=1)  # [S, 2]
+        c = nonnegative_lstsq(X, y[tree], [0, 1] if np.ptp(n[tree]) > 0 else [0])
+        per_round, per_node = c.get(0, 0.0), c.get(1, 0.0)
+    single = float(y[root_only].mean()) if root_only.any() else per_round
+    if not tree.any():
+        per_round, per_node = single, 0.0
+    return HostCost(single=single, per_round=per_round, per_node=per_node, plain=float(y[is_plain].mean()))

@@ -1,0 +1,94 @@
+"""Timed live rounds of the engine: the samples of the measured cost's host-work term (T_book).
+
+A trace's replay prices drafting and verification from timed forwards (env.record); what a live round also
+pays — packing the tree, acceptance, KV commit and rollback, the drafter's state update, the session's
+bookkeeping — the recorder never runs. So while a trace records (calibrate_every > 0), each request is also
+decoded live at batch 1: once by a target-only engine and once per static action of `host_actions` by an
+engine with the recording's drafter, with the trace's own sampling; every round's RoundStats.host_seconds is a
+sample (the trace's cal_live_* arrays), to which engine.cost.host_cost fits book(n) and the target-only step's
+share of T_AR. The same rounds' forward and drafting seconds are samples too: the single-token forward of each
+engine and the drafting rounds are priced from them (env.costs.FittedCostModel), since the recorder's own timings
+run other code paths (a tree-attention forward of one token; drafting outside the engine's loop) and were measured
+25 % dearer (T_AR) and 20–30 % cheaper (prompt-lookup drafting) than the live rounds. The actions verify everything
+they draft ("all"), so the rounds span n = 1 (K = 0) to the grid's largest tree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.runtime.engine import Engine
+from engine.spec.config import SpecConfig
+from engine.spec.sampling import SamplingParams
+from env.costs import drafter_steps, is_scored
+
+WARMUP_TOKENS = 4
+LIVE_ARRAYS = {  # name -> dtype, one entry per timed live round (env.trace.ARRAYS documents them)
+    "cal_live_verified": "int16",
+    "cal_live_plain": "bool",
+    "cal_live_context": "int32",
+    "cal_live_draft_steps": "int8",
+    "cal_live_scored": "bool",
+    "cal_live_width": "int8",
+    "cal_live_draft_seconds": "float32",
+    "cal_live_forward_seconds": "float32",
+    "cal_live_host_seconds": "float32",
+}
+
+
+SCORED_THRESHOLD = 0.1  # the grid's loosest threshold: scored drafting that still grows deep trees
+
+
+def host_actions(kmax: int, widths: list[int]) -> list[SpecConfig]:
+    """K = 0, and chains and trees up to the grid's deepest and widest — (2, 1), (⌈kmax/2⌉, max W), (kmax, 1),
+    (kmax, max W) — each verifying everything (rule "all") and under the threshold rule (nodes scored as the tree
+    grows: what drafting costs under any scoring rule), λ = 0."""
+    w = max(widths)
+    shapes = list(dict.fromkeys([(min(2, kmax), 1), (-(-kmax // 2), w), (kmax, 1), (kmax, w)]))
+    scored = [SpecConfig(depth=k, width=wd, verify_rule="threshold", verify_threshold=SCORED_THRESHOLD)
+              for k, wd in shapes]  # fmt: skip
+    return [SpecConfig(depth=0)] + [SpecConfig(depth=k, width=wd) for k, wd in shapes] + scored
+
+
+class HostCalibrator:
+    """Times the host work of live rounds for one recording's models (module docstring)."""
+
+    def __init__(self, target: Any, drafter: Any, kmax: int, widths: list[int], eos_token_id: int | None) -> None:
+        self.base = Engine(target)
+        self.spec = Engine(target, drafter=drafter)
+        self.actions = host_actions(kmax, widths)
+        self.eos = eos_token_id
+        self._warm = False
+
+    def _generate(self, engine: Engine, prompt: list[int], tokens: int, params: SamplingParams, spec=None):
+        return engine.generate([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)[0]
+
+    @staticmethod
+    def empty() -> dict[str, np.ndarray]:
+        """No samples (a recording without calibration)."""
+        return {k: np.zeros(0, dtype=d) for k, d in LIVE_ARRAYS.items()}
+
+    def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams) -> dict[str, np.ndarray]:
+        """The cal_live_* arrays (LIVE_ARRAYS) of decoding `prompt` once per engine and action."""
+        if not self._warm:  # first calls allocate the engines' caches and buffers: not a round's cost
+            self._generate(self.base, prompt, WARMUP_TOKENS, params)
+            for a in self.actions:
+                self._generate(self.spec, prompt, WARMUP_TOKENS, params, a)
+            self._warm = True
+        out: dict[str, list] = {k: [] for k in LIVE_ARRAYS}
+        runs = [(self.base, None)] + [(self.spec, a) for a in self.actions]
+        for engine, action in runs:
+            position = 0
+            scored = action is not None and is_scored(action)
+            for r in self._generate(engine, prompt, max_new_tokens, params, action).rounds:
+                remaining = max_new_tokens - position
+                kd = min(action.depth, remaining - 1) if action is not None and remaining > 1 else 0
+                steps = drafter_steps(kd, r.built_depth, action) if kd > 0 else 0
+                row = (r.verified_tokens, action is None, r.context_len, steps, scored, r.width,
+                       r.time["draft"] if steps > 0 else 0.0, r.time["forward"], r.host_seconds)  # fmt: skip
+                for k, v in zip(LIVE_ARRAYS, row):
+                    out[k].append(v)
+                position += r.committed
+        return {k: np.asarray(v, dtype=LIVE_ARRAYS[k]) for k, v in out.items()}
