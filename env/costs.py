@@ -171,17 +171,25 @@ class FittedCostModel(CostModel):
             )
         shape = (trace.num_moe_layers, trace.num_experts, trace.top_r)
         target = fit_two_regimes(samples)
-        plain, n = a["cal_live_plain"], a["cal_live_verified"]
-        decode = _single_token_fit(a, ~plain & (n <= 1), shape) or target.decode
+        plain, n, steps = a["cal_live_plain"], a["cal_live_verified"], a["cal_live_draft_steps"]
+        drafted = steps > 0
+        decode = _single_token_fit(a, ~plain & ~drafted, shape) or target.decode  # K = 0 rounds
         plain_step = _single_token_fit(a, plain, shape) or decode
+        h = ~(drafted & (n <= 1))  # K = 0, target-only and tree rounds: a drafted round cut to its root is below
+        host = fit_host_cost(n[h], a["cal_live_host_seconds"][h], plain[h])
+        # a drafted round cut to its root (nothing kept, nothing matched) ran a slower single-token forward and more
+        # host work than a K = 0 round (its tree, its cut); that surplus is priced with its drafting
+        seconds = a["cal_live_draft_seconds"].astype(np.float64)
+        cut = drafted & (n <= 1)
+        L, _, r = shape
+        k0 = [decode.seconds(1, L * r, L, int(c)) + host.single for c in a["cal_live_context"][cut]]
+        surplus = a["cal_live_forward_seconds"][cut] + a["cal_live_host_seconds"][cut] - np.asarray(k0)
+        seconds[cut] += np.maximum(surplus, 0.0)
         recorded = zip(a["cal_draft_depth"].tolist(), a["cal_draft_width"].tolist(), a["cal_draft_aware"].tolist(),
                        a["cal_draft_seconds"].tolist())  # fmt: skip
-        drafted = a["cal_live_draft_steps"] > 0
-        live = zip(a["cal_live_draft_steps"][drafted].tolist(), a["cal_live_width"][drafted].tolist(),
-                   [False] * int(drafted.sum()), a["cal_live_draft_seconds"][drafted].tolist(),
-                   a["cal_live_scored"][drafted].tolist())  # fmt: skip
+        live = zip(steps[drafted].tolist(), a["cal_live_width"][drafted].tolist(), [False] * int(drafted.sum()),
+                   seconds[drafted].tolist(), a["cal_live_scored"][drafted].tolist())  # fmt: skip
         drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
-        host = fit_host_cost(a["cal_live_verified"], a["cal_live_host_seconds"], plain)
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step)
 
 

@@ -54,6 +54,22 @@ def test_drafter_fit_recovers_constants():
     fit = fit_drafter_cost(samples)
     assert (fit.fixed, fit.per_forward, fit.per_token) == pytest.approx((1e-3, 2e-4, 5e-5), rel=1e-6)
     assert fit.round_cost(0, 3) == 0.0
+    assert fit.scored_fixed == fit.scored_per_token == 0.0  # no scored samples: nothing to identify, held at 0
+
+
+def test_drafter_fit_prices_scored_drafting_apart():
+    """Samples of rounds whose rule scored the nodes (threshold, calibrated) fit their own surplus."""
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(60):
+        k, w, scored = int(rng.integers(1, 9)), int(rng.integers(1, 4)), bool(rng.integers(2))
+        sizes = draft_forward_sizes(k, w)
+        extra = 3e-5 + 4e-6 * sum(sizes) if scored else 0.0
+        samples.append((k, w, False, 1e-4 + 2e-5 * len(sizes) + 1e-6 * sum(sizes) + extra, scored))
+    fit = fit_drafter_cost(samples)
+    got = (fit.fixed, fit.per_forward, fit.per_token, fit.scored_fixed, fit.scored_per_token)
+    assert got == pytest.approx((1e-4, 2e-5, 1e-6, 3e-5, 4e-6), rel=1e-6)
+    assert fit.round_cost(4, 2, scored=True) - fit.round_cost(4, 2) == pytest.approx(3e-5 + 4e-6 * 7)
 
 
 def test_node_router_is_keyed_on_identity():
