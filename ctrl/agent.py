@@ -160,12 +160,16 @@ def train_policy(
     if imitation:
         from ctrl.aggrevate import aggrevate
 
+        candidates: list[tuple[int, float]] = []  # (iteration, -1: the clone; return on the training requests)
         regrets = aggrevate(model.policy, raw, [e.unwrapped.requests for e in raw], iterations=algo.iterations,
                             epochs=algo.epochs, lr=algo.imitation_lr, seed=seed, progress=progress,
-                            expert=algo.expert, entropy=algo.imitation_entropy)  # fmt: skip
+                            expert=algo.expert, entropy=algo.imitation_entropy,
+                            on_return=lambda i, r: candidates.append((i, r)))  # fmt: skip
         if run is not None:
             for i, r in enumerate(regrets):
                 run.log({"losses/aggrevate_regret": r, "charts/iteration": i})
+            for i, r in candidates:
+                run.log({"charts/aggrevate_train_return": r, "charts/iteration": i})
     if algo.name != "aggrevate":
         model.learn(total_timesteps=algo.total_timesteps, callback=CallbackList(callbacks))
     elif evaluation is not None:  # no SB3 learn to call it back: the fitted actor once

@@ -172,6 +172,7 @@ def aggrevate(
     expert: str = "oracle",
     entropy: float = 0.0,
     warm_start: bool = True,
+    on_return: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Fit `policy` (an SB3 ActorCriticPolicy) in place; returns the mean regret after each iteration.
 
@@ -181,7 +182,8 @@ def aggrevate(
     prompt-lookup traces under the measured CPU cost K = 0 is the best action in 63 % of the expert's states and
     costs about as much as the best K on average), and from there the rollouts never leave it. The policy kept is
     then the one, clone or iteration, whose own rollouts on the training requests return the most (DAgger's
-    guarantee is for the best policy of the sequence, 1011.0686 / 1406.5979)."""
+    guarantee is for the best policy of the sequence, 1011.0686 / 1406.5979). `on_return(i, r)`: each candidate's
+    return on the training requests (i = -1: the clone, then the iterations), for logging."""
     if expert not in EXPERTS:
         raise ValueError(f"aggrevate expert must be one of {EXPERTS}, got {expert!r}")
     if entropy < 0:
@@ -210,6 +212,8 @@ def aggrevate(
                 opt.step()
         policy.eval()
         best = (policy_return(envs, requests, policy), _snapshot(policy))
+        if on_return is not None:
+            on_return(-1, best[0])
     for it in range(iterations):
         o, q, _ = collect(envs, requests, policy, beta**it, rng, expert_q)
         data_obs += o
@@ -231,6 +235,8 @@ def aggrevate(
             p = joint_log_prob(policy, X, nvec).exp()
             history.append(float((p * regret).sum(dim=1).mean()))
         ret = policy_return(envs, requests, policy)
+        if on_return is not None:
+            on_return(it, ret)
         if best is None or ret > best[0]:
             best = (ret, _snapshot(policy))
         if progress is not None:

@@ -32,11 +32,12 @@ from engine.models.cuda_graphs import GraphedForward
 from engine.models.kv_cache import PagedKVCache
 from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
-from engine.runtime.footprint import round_footprint, virtual_rank_loads
+from engine.runtime.footprint import virtual_rank_loads
 from engine.runtime.frozen import load_frozen_policy
 from engine.runtime.kv_check import check_kv_invariant
 from engine.runtime.observation import History, Observation, observe_history
 from engine.runtime.policy import Policy
+from engine.runtime.round_record import round_stats
 from engine.runtime.session import Session
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import SpecConfig
@@ -429,7 +430,12 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=feats[off : off + n])
             book = time.perf_counter() - t1
-            stats = self._round_stats(r, tree, s, a, result, committed, out, off, n, phase, forward_seconds, book)
+            ids = None
+            if self.instrument and out.routing is not None and out.routing.expert_ids:
+                ids = [e[off : off + n] for e in out.routing.expert_ids]  # L x [n, r]
+            stats = round_stats(r, tree, s, a, result, committed, ids, self.target.config.num_experts,
+                                self.rank_loads, self.cost_model)  # fmt: skip
+            stats.time = {**phase, "draft": tree.draft_seconds, "forward": forward_seconds, "sampling": book}
             stats.offload = offload_stats
             stats.batch_size = len(active)
             done.append((r, stats))
@@ -473,48 +479,6 @@ class Engine:
         if r.finish_reason is None and len(r.new_tokens) >= r.max_new:
             r.finish_reason = "length"
         return len(tokens)
-
-    # ------------------------------------------------------------------ stats
-    def _round_stats(self, r, tree, s, action, result, committed, out, off, n, phase, forward_seconds, book):
-        K = int(tree.max_depth) if n > 1 else 0
-        acc = result.accepted_len
-        tried = len(result.children_tried) if n > 1 else 0
-        stats = RoundStats(
-            round_index=len(r.rounds),
-            depth=action.depth,
-            built_depth=K,
-            width=s.width,
-            lam=float(s.lam),
-            verified_tokens=n,
-            proposed=n - 1,
-            accepted=acc,
-            committed=committed,
-            bonus=result.bonus and n > 1,
-            rejection_depth=result.rejection_depth,
-            attempted_by_depth=[1 if d <= tried else 0 for d in range(1, K + 1)],
-            accepted_by_depth=[1 if d <= acc else 0 for d in range(1, K + 1)],
-            draft_confidence=list(tree.confidence)[:K],
-            verify_rule=s.verify_rule,
-            context_len=r.cached_len - committed,  # `_commit` already advanced the request
-        )
-        if self.instrument and out.routing is not None and out.routing.expert_ids:
-            ids = [e[off : off + n] for e in out.routing.expert_ids]  # L x [n, r]
-            fp = round_footprint(ids, self.target.config.num_experts, r.prev_pairs)
-            stats.tokens_per_expert = fp.tokens_per_expert
-            stats.distinct_experts = fp.distinct_experts
-            stats.reuse = fp.reuse
-            stats.overlap_prev = fp.overlap_prev
-            stats.new_pairs_per_node = fp.new_pairs_per_node
-            r.prev_pairs = fp.pairs
-            if self.rank_loads is not None:
-                stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = self.rank_loads(ids)
-            if self.cost_model is not None:
-                stats.modelled_seconds = float(self.cost_model(ids, stats.context_len))
-        stats.time = dict(phase)
-        stats.time["draft"] = tree.draft_seconds
-        stats.time["forward"] = forward_seconds
-        stats.time["sampling"] = book  # part of host_seconds, which `_step` sets with round_seconds
-        return stats
 
     # ------------------------------------------------------------------ policy interface
     def observe_request(self, req: _Request, batch_size: int = 1) -> Observation:
