@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.bench.bound import bench_bound, measure_bandwidth, weight_bytes
+from engine.bench.bound import bench_bound, forward_step, measure_bandwidth, weight_bytes
 from engine.bench.common import bench_paths, bench_prompts, equal_length, hf_generate
 from engine.bench.configs import BenchConfig
 from engine.cost.verify_curve import cached_verify_curve
@@ -67,7 +67,7 @@ def _step_vs_bound(model, cfg: BenchConfig, bandwidth: float) -> dict:
     routed = engine.Engine(model, instrument=True, timing=False).generate(prompt, 64)[0].rounds[8:]
     mean_u = statistics.mean(r.mean_distinct_experts for r in routed) if model.config.is_moe else 0
     plain = engine.Engine(model, instrument=False, timing=False).generate(prompt, 64)[0].rounds[8:]
-    step_s = statistics.median(r.round_seconds for r in plain)
+    step_s = statistics.median(forward_step(r) for r in plain)
     touched, _ = weight_bytes(model, len(model.config.moe_layers) * mean_u)
     bound = touched / bandwidth
     return {
