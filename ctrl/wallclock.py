@@ -9,7 +9,8 @@ drafting rounds and the engine's host work per round (env.costs, "fitted"), but 
 entry point checks it against the clock: it deploys, in the real engine, static-best-test (the grid action of
 least modelled cost on the held-out prompts under `wallclock.cost`, as the evaluation picks it) and every cached
 learned seed trained under that cost (trained now if absent, as `python -m ctrl` does), each interleaved with
-target-only decoding on the same held-out prompt at batch 1, `wallclock.repeats` times. Decoding is timed from
+target-only decoding (an engine without routing instrumentation, the fastest plain one) on the same held-out
+prompt at batch 1, `wallclock.repeats` times. Decoding is timed from
 the first round to the last (the prefill is the same for every policy, and replay does not price it); a policy's
 speed-up = Σ over prompts of target-only's fastest repeat ÷ Σ of its own fastest, and every run's tokens must
 equal target-only's (exact methods). Next to it, the same policy's speed-up in replay under `wallclock.cost` (what
@@ -70,7 +71,7 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
     learned = learned_policies(conf, traces, cost)
     m = conf.models
     target, drafter, _ = load_models(m.target, m.drafter, m.predictor)
-    base = engine.Engine(target)
+    base = engine.Engine(target, instrument=False)  # the fastest plain engine: no routing records (policies need them)
     spec_engine = engine.Engine(target, drafter=drafter, calibration=calibration, acceptance=acceptance)
     out: dict[str, Any] = {}
     for name in sorted(traces):

@@ -81,10 +81,10 @@ class CostModel:
         return self.verify(1, L * r, context_len, counts) + self.book_ar()
 
     def draft(
-        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, scored: bool = False
+        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all"
     ) -> float:
-        """T_draft of `drafted_depth` drafter forwards at width W; `scored`: the verification rule scores the nodes
-        as they grow (any rule but "all"), which only a measured cost prices (the fitted kind)."""
+        """T_draft of `drafted_depth` drafter forwards at width W; `rule` (env.costs.draft_rule): what scores the
+        nodes as they grow, which only a measured cost prices (the fitted kind)."""
         raise NotImplementedError
 
     def book_ar(self) -> float:
@@ -104,10 +104,10 @@ class CostModel:
         width: int,
         expert_aware: bool,
         counts: np.ndarray | None = None,
-        scored: bool = False,
+        rule: str = "all",
     ) -> RoundCost:
         return RoundCost(
-            draft=self.draft(drafted_depth, width, expert_aware, context_len, scored) if drafted_depth > 0 else 0.0,
+            draft=self.draft(drafted_depth, width, expert_aware, context_len, rule) if drafted_depth > 0 else 0.0,
             verify=self.verify(n, distinct_total, context_len, counts),
             book=self.book(n),
             ar=self.ar(context_len),
@@ -205,6 +205,6 @@ class RooflineCostModel(CostModel):
         )
 
     def draft(
-        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, scored: bool = False
+        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all"
     ) -> float:
         return self.drafter.round_cost(drafted_depth, width, context_len, expert_aware)

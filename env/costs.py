@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from engine.cost.drafter_cost import (
+    DRAFT_RULES,
     FittedDrafterCost,
     drafter_spec_from_hf_config,
     fit_drafter_cost,
@@ -70,12 +71,10 @@ class CostConf:
     ep_placement: str = "contiguous"  # roofline-ep: contiguous | round_robin | load_balanced
 
 
-SCORED_RULES = ("threshold", "calibrated")  # rules that score the nodes as the tree grows (engine.drafting)
-
-
-def is_scored(spec: Any) -> bool:
-    """Whether `spec`'s verification rule scores nodes during drafting (drafting then costs more: FittedDrafterCost)."""
-    return spec.verify_rule in SCORED_RULES
+def draft_rule(spec: Any) -> str:
+    """How `spec`'s drafting is priced (DRAFT_RULES): the threshold and calibrated rules score every node as the
+    tree grows (FittedDrafterCost prices that), the others ("all", "goodput") select after it."""
+    return spec.verify_rule if spec.verify_rule in DRAFT_RULES else "all"
 
 
 def drafter_steps(depth_cap: int, built_depth: int, spec: Any) -> int:
@@ -126,9 +125,9 @@ class FittedCostModel(CostModel):
         return m.seconds(n, distinct_total, self.routing_shape[0], context_len)
 
     def draft(
-        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, scored: bool = False
+        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all"
     ) -> float:
-        return self.drafter_fit.round_cost(drafted_depth, width, context_len, expert_aware, scored)
+        return self.drafter_fit.round_cost(drafted_depth, width, context_len, expert_aware, rule)
 
     def book(self, n: int) -> float:
         return self.host.book(n)
@@ -188,7 +187,7 @@ class FittedCostModel(CostModel):
         recorded = zip(a["cal_draft_depth"].tolist(), a["cal_draft_width"].tolist(), a["cal_draft_aware"].tolist(),
                        a["cal_draft_seconds"].tolist())  # fmt: skip
         live = zip(steps[drafted].tolist(), a["cal_live_width"][drafted].tolist(), [False] * int(drafted.sum()),
-                   seconds[drafted].tolist(), a["cal_live_scored"][drafted].tolist())  # fmt: skip
+                   seconds[drafted].tolist(), [DRAFT_RULES[i] for i in a["cal_live_rule"][drafted]])  # fmt: skip
         drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step)
 

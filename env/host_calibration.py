@@ -9,8 +9,8 @@ sample (the trace's cal_live_* arrays), to which engine.cost.host_cost fits book
 share of T_AR. The same rounds' forward and drafting seconds are samples too: the single-token forward of each
 engine and the drafting rounds are priced from them (env.costs.FittedCostModel), since the recorder's own timings
 run other code paths (a tree-attention forward of one token; drafting outside the engine's loop) and were measured
-25 % dearer (T_AR) and 20–30 % cheaper (prompt-lookup drafting) than the live rounds. The actions verify everything
-they draft ("all"), so the rounds span n = 1 (K = 0) to the grid's largest tree.
+25 % dearer (T_AR) and 20–30 % cheaper (prompt-lookup drafting) than the live rounds. The actions span n = 1
+(K = 0) to the grid's largest tree, under each way a rule scores the nodes as they grow (DRAFT_RULES).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.cost.drafter_cost import DRAFT_RULES
+from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.engine import Engine
+from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
 from engine.spec.sampling import SamplingParams
-from env.costs import drafter_steps, is_scored
+from env.costs import draft_rule, drafter_steps
 
 WARMUP_TOKENS = 4
 LIVE_ARRAYS = {  # name -> dtype, one entry per timed live round (env.trace.ARRAYS documents them)
@@ -30,7 +33,7 @@ LIVE_ARRAYS = {  # name -> dtype, one entry per timed live round (env.trace.ARRA
     "cal_live_plain": "bool",
     "cal_live_context": "int32",
     "cal_live_draft_steps": "int8",
-    "cal_live_scored": "bool",
+    "cal_live_rule": "int8",
     "cal_live_width": "int8",
     "cal_live_draft_seconds": "float32",
     "cal_live_forward_seconds": "float32",
@@ -38,26 +41,36 @@ LIVE_ARRAYS = {  # name -> dtype, one entry per timed live round (env.trace.ARRA
 }
 
 
-SCORED_THRESHOLD = 0.1  # the grid's loosest threshold: scored drafting that still grows deep trees
+SCORED_THRESHOLD = 0.1  # the grid's loosest threshold (raw), 0.05 its loosest calibrated one: deep trees still grow
+CALIBRATED_THRESHOLD = 0.05
+
+
+def neutral_acceptance(kmax: int) -> AcceptanceModel:
+    """An acceptance model that passes the draft's own probability through (identity maps, knots per depth): what
+    the calibrated rule costs to evaluate, before a model is fitted (that happens on the training prompts, after
+    recording)."""
+    identity = IsotonicCalibration(tuple((0.0, 1.0) for _ in range(kmax)), tuple((0.0, 1.0) for _ in range(kmax)))
+    return AcceptanceModel((identity, identity, identity))
 
 
 def host_actions(kmax: int, widths: list[int]) -> list[SpecConfig]:
     """K = 0, and chains and trees up to the grid's deepest and widest — (2, 1), (⌈kmax/2⌉, max W), (kmax, 1),
-    (kmax, max W) — each verifying everything (rule "all") and under the threshold rule (nodes scored as the tree
-    grows: what drafting costs under any scoring rule), λ = 0."""
+    (kmax, max W) — under each drafting rule (DRAFT_RULES: verify everything; the raw threshold; the calibrated
+    rule, with `neutral_acceptance`), λ = 0."""
     w = max(widths)
     shapes = list(dict.fromkeys([(min(2, kmax), 1), (-(-kmax // 2), w), (kmax, 1), (kmax, w)]))
-    scored = [SpecConfig(depth=k, width=wd, verify_rule="threshold", verify_threshold=SCORED_THRESHOLD)
-              for k, wd in shapes]  # fmt: skip
-    return [SpecConfig(depth=0)] + [SpecConfig(depth=k, width=wd) for k, wd in shapes] + scored
+    acceptance = neutral_acceptance(kmax)
+    rules = [dict(verify_rule="all"), dict(verify_rule="threshold", verify_threshold=SCORED_THRESHOLD),
+             dict(verify_rule="calibrated", verify_threshold=CALIBRATED_THRESHOLD, acceptance=acceptance)]  # fmt: skip
+    return [SpecConfig(depth=0)] + [SpecConfig(depth=k, width=wd, **r) for r in rules for k, wd in shapes]
 
 
 class HostCalibrator:
     """Times the host work of live rounds for one recording's models (module docstring)."""
 
     def __init__(self, target: Any, drafter: Any, kmax: int, widths: list[int], eos_token_id: int | None) -> None:
-        self.base = Engine(target)
-        self.spec = Engine(target, drafter=drafter)
+        self.base = Engine(target, instrument=False)  # plain decoding as a deployment runs it: no routing records
+        self.spec = Engine(target, drafter=drafter)  # a policy observes the footprint: instrumented, as deployed
         self.actions = host_actions(kmax, widths)
         self.eos = eos_token_id
         self._warm = False
@@ -81,12 +94,12 @@ class HostCalibrator:
         runs = [(self.base, None)] + [(self.spec, a) for a in self.actions]
         for engine, action in runs:
             position = 0
-            scored = action is not None and is_scored(action)
+            rule = DRAFT_RULES.index(draft_rule(action)) if action is not None else 0
             for r in self._generate(engine, prompt, max_new_tokens, params, action).rounds:
                 remaining = max_new_tokens - position
                 kd = min(action.depth, remaining - 1) if action is not None and remaining > 1 else 0
                 steps = drafter_steps(kd, r.built_depth, action) if kd > 0 else 0
-                row = (r.verified_tokens, action is None, r.context_len, steps, scored, r.width,
+                row = (r.verified_tokens, action is None, r.context_len, steps, rule, r.width,
                        r.time["draft"] if steps > 0 else 0.0, r.time["forward"], r.host_seconds)  # fmt: skip
                 for k, v in zip(LIVE_ARRAYS, row):
                     out[k].append(v)

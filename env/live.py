@@ -50,8 +50,8 @@ from env.costs import (
     REPLAY_ONLY_KINDS,
     CostConf,
     RoundCost,
+    draft_rule,
     drafter_steps,
-    is_scored,
     make_cost_model,
     uses_recorded_routing,
 )
@@ -225,7 +225,7 @@ class LiveEnv(gym.Env):
                 counts = stats.tokens_per_expert.numpy()
             steps = drafter_steps(kd, stats.built_depth, spec) if kd > 0 else 0
             cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, steps, spec.width, aware, counts,
-                                         is_scored(spec))  # fmt: skip
+                                         draft_rule(spec))  # fmt: skip
         self._costs[rid] = cost
         return cost.total, cost.ar
 

@@ -52,7 +52,7 @@ from engine.spec.draft_tree import DraftTree
 from env.actions import ActionCodec
 from env.cost_model import CostModel
 from env.cost_offload import pairs_mask, root_mask
-from env.costs import drafter_steps, is_scored
+from env.costs import draft_rule, drafter_steps
 from env.trace import Trace, atomic_write_bytes
 
 TABLES_VERSION = 4  # 4: NodeRouter's cross-layer following acts on fresh noise (overlap 0.37, not 0.81)
@@ -301,7 +301,7 @@ class PositionReplayer:
         steps = drafter_steps(kd, self.outcome(spec, skey).built, spec)
         if steps <= 0:
             return 0.0
-        key = (steps, spec.width, spec.lam > 0 and predicts, is_scored(spec))  # many actions draft the same forwards
+        key = (steps, spec.width, spec.lam > 0 and predicts, draft_rule(spec))  # many actions draft the same forwards
         c = self._draft.get(key)
         if c is None:
             c = self._draft[key] = self.cost.draft(steps, spec.width, key[2], self.context, key[3])

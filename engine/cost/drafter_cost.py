@@ -112,6 +112,9 @@ def drafter_spec_from_hf_config(
     )
 
 
+DRAFT_RULES = ("all", "threshold", "calibrated")  # how a round's drafting is priced: what its nodes are scored by
+
+
 def draft_forward_sizes(depth: int, width: int, expert_aware: bool = False) -> list[int]:
     """Tokens of each drafter forward of one round (module docstring): [1, W, ..., W (K - 1 times)] (+ [W])."""
     if depth <= 0:
@@ -165,46 +168,57 @@ class DrafterRoofline:
 @dataclass(frozen=True)
 class FittedDrafterCost:
     """Measured drafting seconds ≈ fixed + per_forward · forwards + per_token · tokens
-    + scored · (scored_fixed + scored_per_token · tokens) (0 for depth 0).
+    + [rule = threshold] (threshold_fixed + threshold_per_token · tokens)
+    + [rule = calibrated] (calibrated_fixed + calibrated_per_token · tokens) (0 for depth 0).
 
-    forwards and tokens count `draft_forward_sizes(depth, width)` (the catch-up row included); `scored`: the
-    verification rule scores every node as the tree grows (threshold, calibrated), which a model-free drafter's
-    round can cost more than its lookup (measured 2.4× with the prompt lookup on this CPU)."""
+    forwards and tokens count `draft_forward_sizes(depth, width)` (the catch-up row included); `rule` (DRAFT_RULES):
+    the verification rule scores every node as the tree grows (threshold: its draft probability; calibrated: the
+    acceptance model over the committed context's suffix index), which can cost a model-free drafter's round more
+    than its lookup (measured 2.4× for the threshold rule with the prompt lookup on this CPU)."""
 
     fixed: float
     per_forward: float
     per_token: float
-    scored_fixed: float = 0.0
-    scored_per_token: float = 0.0
+    threshold_fixed: float = 0.0
+    threshold_per_token: float = 0.0
+    calibrated_fixed: float = 0.0
+    calibrated_per_token: float = 0.0
 
     def round_cost(
-        self, depth: int, width: int, context_len: int = 0, expert_aware: bool = False, scored: bool = False
+        self, depth: int, width: int, context_len: int = 0, expert_aware: bool = False, rule: str = "all"
     ) -> float:
         sizes = draft_forward_sizes(depth, width, expert_aware)
         if not sizes:
             return 0.0
         tokens = sum(sizes)
-        extra = self.scored_fixed + self.scored_per_token * tokens if scored else 0.0
+        extra = 0.0
+        if rule == "threshold":
+            extra = self.threshold_fixed + self.threshold_per_token * tokens
+        elif rule == "calibrated":
+            extra = self.calibrated_fixed + self.calibrated_per_token * tokens
         return self.fixed + self.per_forward * len(sizes) + self.per_token * tokens + extra
 
 
 def fit_drafter_cost(samples: Sequence[tuple]) -> FittedDrafterCost:
-    """Least squares of FittedDrafterCost to (depth >= 1, width, expert_aware, seconds[, scored]) samples;
-    constants the samples cannot identify are held at 0, and every constant is >= 0 (drafting more never saves
-    time: engine.cost.fitted.nonnegative_lstsq)."""
+    """Least squares of FittedDrafterCost to (depth >= 1, width, expert_aware, seconds[, rule]) samples (rule one
+    of DRAFT_RULES, default "all"); constants the samples cannot identify are held at 0, and every constant is >= 0
+    (drafting more never saves time: engine.cost.fitted.nonnegative_lstsq)."""
     rows = []
     for d, w, a, sec, *rest in samples:
+        rule = rest[0] if rest else "all"
+        if rule not in DRAFT_RULES:
+            raise ValueError(f"drafting rule must be one of {DRAFT_RULES}, got {rule!r}")
         if z := draft_forward_sizes(d, w, a):
-            s = float(bool(rest and rest[0]))
-            rows.append((1.0, len(z), sum(z), s, s * sum(z), sec))
+            t, c = float(rule == "threshold"), float(rule == "calibrated")
+            rows.append((1.0, len(z), sum(z), t, t * sum(z), c, c * sum(z), sec))
     if not rows:
         raise ValueError("fit_drafter_cost needs samples with depth >= 1")
-    X = np.array([r[:5] for r in rows])
-    y = np.array([r[5] for r in rows])
+    X = np.array([r[:7] for r in rows])
+    y = np.array([r[7] for r in rows])
     scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # rank on comparable columns
     keep = [0]
-    for j in (1, 2, 3, 4):  # a regressor the kept ones already span is not identifiable
+    for j in range(1, 7):  # a regressor the kept ones already span is not identifiable
         if np.linalg.matrix_rank(scaled[:, keep + [j]], tol=1e-9) > len(keep):
             keep.append(j)
     fitted = nonnegative_lstsq(X, y, keep)
-    return FittedDrafterCost(*(fitted.get(j, 0.0) for j in range(5)))
+    return FittedDrafterCost(*(fitted.get(j, 0.0) for j in range(7)))

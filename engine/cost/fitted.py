@@ -81,7 +81,7 @@ def nonnegative_lstsq(X: np.ndarray, y: np.ndarray, keep: Sequence[int]) -> dict
     """Least squares of y [S] on the columns `keep` of X [S, C] with every constant >= 0 (NNLS): more tokens,
     experts or context never make a forward cheaper, and an unconstrained fit to a few noisy timings (a loaded
     machine, a short trace) can price a verification below zero. The NNLS optimum is the unconstrained fit on its
-    own support, so for these <= 5 columns every subset is solved and the best fit with no negative constant kept.
+    own support, so for these few columns (<= 7) every subset is solved and the best fit with no negative constant kept.
     Returns {column: constant} of the columns fitted (the others are held at 0)."""
     cols = list(keep)
     coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)

@@ -54,22 +54,26 @@ def test_drafter_fit_recovers_constants():
     fit = fit_drafter_cost(samples)
     assert (fit.fixed, fit.per_forward, fit.per_token) == pytest.approx((1e-3, 2e-4, 5e-5), rel=1e-6)
     assert fit.round_cost(0, 3) == 0.0
-    assert fit.scored_fixed == fit.scored_per_token == 0.0  # no scored samples: nothing to identify, held at 0
+    assert fit.threshold_fixed == fit.calibrated_per_token == 0.0  # no scored samples: nothing to identify, held at 0
 
 
-def test_drafter_fit_prices_scored_drafting_apart():
-    """Samples of rounds whose rule scored the nodes (threshold, calibrated) fit their own surplus."""
+def test_drafter_fit_prices_each_scoring_rule_apart():
+    """Samples of rounds whose rule scored the nodes as they grew (threshold, calibrated) fit their own surplus."""
     rng = np.random.default_rng(1)
+    surplus = {"all": (0.0, 0.0), "threshold": (3e-5, 4e-6), "calibrated": (5e-5, 9e-6)}
     samples = []
-    for _ in range(60):
-        k, w, scored = int(rng.integers(1, 9)), int(rng.integers(1, 4)), bool(rng.integers(2))
+    for _ in range(90):
+        k, w, rule = int(rng.integers(1, 9)), int(rng.integers(1, 4)), str(rng.choice(list(surplus)))
         sizes = draft_forward_sizes(k, w)
-        extra = 3e-5 + 4e-6 * sum(sizes) if scored else 0.0
-        samples.append((k, w, False, 1e-4 + 2e-5 * len(sizes) + 1e-6 * sum(sizes) + extra, scored))
+        extra = surplus[rule][0] + surplus[rule][1] * sum(sizes)
+        samples.append((k, w, False, 1e-4 + 2e-5 * len(sizes) + 1e-6 * sum(sizes) + extra, rule))
     fit = fit_drafter_cost(samples)
-    got = (fit.fixed, fit.per_forward, fit.per_token, fit.scored_fixed, fit.scored_per_token)
-    assert got == pytest.approx((1e-4, 2e-5, 1e-6, 3e-5, 4e-6), rel=1e-6)
-    assert fit.round_cost(4, 2, scored=True) - fit.round_cost(4, 2) == pytest.approx(3e-5 + 4e-6 * 7)
+    got = (fit.fixed, fit.per_forward, fit.per_token, fit.threshold_fixed, fit.threshold_per_token,
+           fit.calibrated_fixed, fit.calibrated_per_token)  # fmt: skip
+    assert got == pytest.approx((1e-4, 2e-5, 1e-6, 3e-5, 4e-6, 5e-5, 9e-6), rel=1e-6)
+    assert fit.round_cost(4, 2, rule="calibrated") - fit.round_cost(4, 2) == pytest.approx(5e-5 + 9e-6 * 7)
+    with pytest.raises(ValueError, match="drafting rule must be one of"):
+        fit_drafter_cost([(2, 1, False, 1e-4, "goodput")])
 
 
 def test_node_router_is_keyed_on_identity():
