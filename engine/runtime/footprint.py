@@ -32,25 +32,33 @@ class Footprint:
 def round_footprint(
     expert_ids: Sequence[torch.Tensor] | torch.Tensor, num_experts: int, prev_pairs: torch.Tensor | None
 ) -> Footprint:
-    """expert_ids: L x [n, r] routing of the verified tokens (root first), or them stacked [n, L, r] -> Footprint."""
+    """expert_ids: L x [n, r] routing of the verified tokens (root first), or them stacked [n, L, r] -> Footprint.
+
+    Every round of an instrumented engine pays this (~8 µs at one token on this CPU, ~15 µs before the list of
+    per-layer ids was stacked in one call and the previous round's pairs kept as numpy)."""
     if isinstance(expert_ids, torch.Tensor):
-        ids = expert_ids.cpu().long()
+        ids = expert_ids
+    elif all(e.dim() == 2 for e in expert_ids):
+        ids = torch.stack(list(expert_ids), 1)  # [n, L, r]
     else:
-        ids = torch.stack([e.reshape(e.shape[0], -1) for e in expert_ids], 1).cpu().long()  # [n, L, r]
-    L, E = ids.shape[1], num_experts
+        ids = torch.stack([e.reshape(e.shape[0], -1) for e in expert_ids], 1)
+    if ids.device.type != "cpu":
+        ids = ids.cpu()
     a = ids.numpy()  # numpy for the integer bookkeeping: a few µs, where a dozen small torch ops cost ~50
-    if a.size and int(a.min()) < 0:
+    n, L = a.shape[0], a.shape[1]
+    E = num_experts
+    if a.size and a.min() < 0:
         raise ValueError("round_footprint takes global expert ids >= 0 (a -1 'not local' id has no expert)")
-    flat = a + (np.arange(L) * E).reshape(1, L, 1)  # (layer, expert) -> layer * E + expert: one bincount
-    counts = np.bincount(flat.reshape(-1), minlength=L * E).reshape(L, E)  # [L, E] int64
+    flat = a + _layer_offsets(L, E)  # (layer, expert) -> layer * E + expert: one bincount
+    counts = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E)  # [L, E] int64
     pairs = counts > 0
-    distinct = pairs.sum(1).tolist()
-    used = int(pairs.sum())
-    total = a.size
-    n = int(a.shape[0])
+    per_layer = pairs.sum(1)
+    distinct = per_layer.tolist()
+    used = int(per_layer.sum())
     overlap = None
     if prev_pairs is not None:
-        overlap = float((pairs & prev_pairs.cpu().numpy()).sum()) / max(used, 1)
+        prev = prev_pairs.numpy() if prev_pairs.device.type == "cpu" else prev_pairs.cpu().numpy()
+        overlap = float(np.count_nonzero(pairs & prev)) / max(used, 1)
     new_per_node = 0.0
     if n > 1:
         root = len(np.unique(flat[0]))  # the root's own pairs
@@ -59,10 +67,21 @@ def round_footprint(
         distinct_experts=distinct,
         tokens_per_expert=torch.from_numpy(counts),
         pairs=torch.from_numpy(pairs),
-        reuse=1.0 - sum(distinct) / max(total, 1),
+        reuse=1.0 - used / max(a.size, 1),
         overlap_prev=overlap,
         new_pairs_per_node=new_per_node,
     )
+
+
+_OFFSETS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _layer_offsets(L: int, E: int) -> np.ndarray:
+    """[1, L, 1] int64: l·E, the flat index of layer l's expert 0 (cached per shape)."""
+    off = _OFFSETS.get((L, E))
+    if off is None:
+        off = _OFFSETS[(L, E)] = (np.arange(L, dtype=np.int64) * E).reshape(1, L, 1)
+    return off
 
 
 def virtual_rank_loads(placement: Any, num_experts: int) -> Callable[[list[torch.Tensor]], tuple[float, float, float]]:

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+_ROOT_PARENTS = torch.tensor([-1])  # root_only's constant fields: never written in place
+_ROOT_DEPTHS = torch.tensor([0])
+_ROOT_PATH_PROB = torch.tensor([1.0])
+
 
 @dataclass
 class DraftTree:
@@ -46,12 +50,10 @@ class DraftTree:
 
     @staticmethod
     def root_only(token: int) -> DraftTree:
-        return DraftTree(
-            tokens=torch.tensor([token]),
-            parents=torch.tensor([-1]),
-            depths=torch.tensor([0]),
-            path_prob=torch.tensor([1.0]),
-        )
+        """The tree of a round that drafts nothing. Its parents / depths / path_prob are shared read-only tensors
+        (every plain step builds one: three fewer tensor constructions, ~7 µs on this CPU)."""
+        return DraftTree(tokens=torch.tensor([token]), parents=_ROOT_PARENTS, depths=_ROOT_DEPTHS,
+                         path_prob=_ROOT_PATH_PROB)  # fmt: skip
 
     def subtree(self, keep: torch.Tensor) -> DraftTree:
         """The prefix-closed node subset `keep` (sorted indices, containing 0), re-indexed."""
