@@ -15,7 +15,8 @@ Spaces, observation and reward are those of `expertspec/Replay-v0` (env.replay):
 `engine.runtime.observation.observe` over the session's RoundStats, reward R_t − T_t/T_AR. Costs come
 from env.costs through the engine's `round_cost` hook, computed from the same numbers replay uses, so
 under a deterministic cost model (roofline, fitted) replay == live exactly; kind "measured" prices by
-wall clock (the round's measured seconds; T_AR = the median measured plain-decode step at start), which
+wall clock (the round's measured seconds, host work included; T_AR = the median measured step of a plain
+engine at start), which
 is not deterministic. For a model spec larger than the target the verified tree is re-routed with the
 identity-keyed synthetic router (engine.cost.node_router) exactly as replay does, and the RoundStats'
 footprint fields describe that routing.
@@ -230,12 +231,10 @@ class LiveEnv(gym.Env):
         return cost.total, cost.ar
 
     def _measure_ar(self) -> float:
-        """Median measured seconds of a plain-decode round (the measured T_AR)."""
-        hook, self.engine.round_cost = self.engine.round_cost, None
-        try:
-            res = self.engine.generate([self.prompts[0]], 12, sampling=self._params(0))
-        finally:
-            self.engine.round_cost = hook
+        """Median measured seconds of a plain-decode round (the measured T_AR) of the fastest plain engine: the
+        target alone, without routing instrumentation, as env.host_calibration times T_AR for the fitted kind."""
+        plain = engine.Engine(self.engine.target, instrument=False)
+        res = plain.generate([self.prompts[0]], 12, sampling=self._params(0))
         secs = [r.round_seconds for r in res[0].rounds]
         return statistics.median(secs[2:] or secs)
 

@@ -33,6 +33,9 @@ def test_live_measured_cost(zoo_models):
     e.reset(seed=0)
     *_, info = e.step(np.array([2, 1, 0, 0]))
     assert info["measured_seconds"] > 0 and info["cost_ar"] > 0
+    # the round is priced as it ran: drafting + the target's forward + the engine's host work (T_book > 0)
+    assert info["cost_book"] > 0
+    assert info["cost_draft"] + info["cost_verify"] + info["cost_book"] == pytest.approx(info["measured_seconds"])
     e.close()
 
 
