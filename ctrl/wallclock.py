@@ -14,7 +14,10 @@ prompt at batch 1, `wallclock.repeats` times. Decoding is timed from
 the first round to the last (the prefill is the same for every policy, and replay does not price it); a policy's
 speed-up = Σ over prompts of target-only's fastest repeat ÷ Σ of its own fastest, and every run's tokens must
 equal target-only's (exact methods). Next to it, the same policy's speed-up in replay under `wallclock.cost` (what
-the evaluation reports). Prints the table and writes `wallclock.json` into the run directory.
+the evaluation reports). The static action runs twice: on the instrumented engine every policy shares (a learned
+policy's observation reads the routing footprint), and as `static-best-test-bare` on one without instrumentation,
+as a static deployment would run it (its replay figure is static-best-test's: the measured cost prices the
+instrumented engine). Prints the table and writes `wallclock.json` into the run directory.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def _static_best_test(env: Any, requests: list[int], acceptance: Any) -> tuple[t
     return idx, (replace(spec, acceptance=acceptance) if spec.verify_rule == "calibrated" else spec)
 
 
+BARE = "static-best-test-bare"  # the same static action on an engine without routing instrumentation
+
+
 def decode(engine: Any, prompt: list[int], max_new_tokens: int, **kw: Any) -> tuple[float, list[int]]:
     """(seconds from the first round to the last, new tokens) of one request at batch 1; `kw`: spec / policy."""
     session = engine.start([prompt], max_new_tokens, **kw)  # admits the request: its prefill is not timed
@@ -73,6 +79,8 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
     target, drafter, _ = load_models(m.target, m.drafter, m.predictor)
     base = engine.Engine(target, instrument=False)  # the fastest plain engine: no routing records (policies need them)
     spec_engine = engine.Engine(target, drafter=drafter, calibration=calibration, acceptance=acceptance)
+    bare_engine = engine.Engine(target, drafter=drafter, calibration=calibration, acceptance=acceptance,
+                                instrument=False)  # what a static action needs: no policy reads the footprint
     out: dict[str, Any] = {}
     for name in sorted(traces):
         trace = traces[name]
@@ -80,30 +88,31 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
         prompts = [trace.prompt(int(i)).tolist() for i in test_ids]
         env = replay_env(trace, cost, grid_of(conf), test_ids, calibration, acceptance)
         idx, spec = _static_best_test(env, test_ids, acceptance)
-        runs: dict[str, dict] = {"static-best-test": {"spec": spec}}
+        runs: dict[str, tuple[Any, dict]] = {"static-best-test": (spec_engine, {"spec": spec}),
+                                              BARE: (bare_engine, {"spec": spec})}  # fmt: skip
         for learner, paths in learned.items():
             for p in paths:
-                runs[f"{learner}-{p.name}"] = {"policy": load_frozen_policy(p)}
+                runs[f"{learner}-{p.name}"] = (spec_engine, {"policy": load_frozen_policy(p)})
         n_new = conf.workloads.max_new_tokens
-        base.generate(prompts[:1], 4)  # warm both engines and every policy once
-        for kw in runs.values():
-            spec_engine.generate(prompts[:1], 4, **kw)
+        base.generate(prompts[:1], 4)  # warm every engine and every policy once
+        for eng, kw in runs.values():
+            eng.generate(prompts[:1], 4, **kw)
         best_base = [float("inf")] * len(prompts)
         best = {k: [float("inf")] * len(prompts) for k in runs}
         for _ in range(repeats):
             for i, p in enumerate(prompts):
                 seconds, ref = decode(base, p, n_new)
                 best_base[i] = min(best_base[i], seconds)
-                for k, kw in runs.items():
-                    seconds, got = decode(spec_engine, p, n_new, **kw)
+                for k, (eng, kw) in runs.items():
+                    seconds, got = decode(eng, p, n_new, **kw)
                     best[k][i] = min(best[k][i], seconds)
                     if got != ref:
                         raise AssertionError(f"{name} request {test_ids[i]}: {k} committed other tokens than "
                                              "target-only decoding")  # fmt: skip
                 if progress is not None:
                     progress(1)
-        actors = {k: static_runner(env, idx) if k == "static-best-test" else frozen_runner(kw["policy"], env)
-                  for k, kw in runs.items()}  # fmt: skip
+        actors = {k: static_runner(env, idx) if "policy" not in kw else frozen_runner(kw["policy"], env)
+                  for k, (_, kw) in runs.items()}  # fmt: skip
         out[name] = {
             "replay_speedup": {
                 k: summarize(run_requests(env, test_ids, a, "index")).speedup_vs_ar for k, a in actors.items()
