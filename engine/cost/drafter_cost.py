@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.cost.fitted import nonnegative_lstsq
+from engine.cost.fitted import identifiable_columns, nonnegative_lstsq
 from engine.cost.roofline import LAUNCHES_PER_FORWARD, LAUNCHES_PER_LAYER, HardwareProfile, _load_yaml_dataclass
 
 DRAFTER_KINDS = ("eagle3", "mtp", "dense", "lookup")
@@ -215,10 +215,5 @@ def fit_drafter_cost(samples: Sequence[tuple]) -> FittedDrafterCost:
         raise ValueError("fit_drafter_cost needs samples with depth >= 1")
     X = np.array([r[:7] for r in rows])
     y = np.array([r[7] for r in rows])
-    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # rank on comparable columns
-    keep = [0]
-    for j in range(1, 7):  # a regressor the kept ones already span is not identifiable
-        if np.linalg.matrix_rank(scaled[:, keep + [j]], tol=1e-9) > len(keep):
-            keep.append(j)
-    fitted = nonnegative_lstsq(X, y, keep)
+    fitted = nonnegative_lstsq(X, y, identifiable_columns(X))
     return FittedDrafterCost(*(fitted.get(j, 0.0) for j in range(7)))

@@ -77,6 +77,17 @@ def r_squared(predicted: Sequence[float], measured: Sequence[float]) -> float:
     return 1.0 - ss_res / ss_tot
 
 
+def identifiable_columns(X: np.ndarray) -> list[int]:
+    """Columns of X [S, C] a least-squares fit can tell apart: column 0 (the constant), then each column the kept
+    ones do not already span (a regressor constant over the samples, or a combination of the kept ones, is not)."""
+    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # rank on comparable columns
+    keep = [0]
+    for j in range(1, X.shape[1]):
+        if np.linalg.matrix_rank(scaled[:, keep + [j]], tol=1e-9) > len(keep):
+            keep.append(j)
+    return keep
+
+
 def nonnegative_lstsq(X: np.ndarray, y: np.ndarray, keep: Sequence[int]) -> dict[int, float]:
     """Least squares of y [S] on the columns `keep` of X [S, C] with every constant >= 0 (NNLS): more tokens,
     experts or context never make a forward cheaper, and an unconstrained fit to a few noisy timings (a loaded
@@ -109,11 +120,7 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
         raise ValueError("fit_cost_model needs at least one sample")
     X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 5]
     y = np.array([s.seconds for s in samples])
-    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # rank on comparable columns
-    keep = [0]
-    for j in range(1, X.shape[1]):  # a regressor the kept ones already span is not identifiable
-        if np.linalg.matrix_rank(scaled[:, keep + [j]], tol=1e-9) > len(keep):
-            keep.append(j)
+    keep = identifiable_columns(X)
     if len(samples) < len(keep):
         raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[CONSTANTS[j] for j in keep]}")
     fitted = nonnegative_lstsq(X, y, keep)

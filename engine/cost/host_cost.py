@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cost.fitted import nonnegative_lstsq
+from engine.cost.fitted import identifiable_columns, nonnegative_lstsq
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def fit_host_cost(verified: Sequence[int], seconds: Sequence[float], plain: Sequ
     root_only, tree = ~is_plain & (n <= 1), ~is_plain & (n >= 2)
     if tree.any():
         X = np.stack([np.ones(int(tree.sum())), n[tree] - 2.0], axis=1)  # [S, 2]
-        c = nonnegative_lstsq(X, y[tree], [0, 1] if np.ptp(n[tree]) > 0 else [0])
+        c = nonnegative_lstsq(X, y[tree], identifiable_columns(X))
         per_round, per_node = c.get(0, 0.0), c.get(1, 0.0)
     single = float(y[root_only].mean()) if root_only.any() else per_round
     if not tree.any():
