@@ -414,7 +414,6 @@ class Engine:
             self.offload.stats.reset()
         off = 0
         done: list[tuple[_Request, RoundStats]] = []
-        tree_draft = {r.index: tree.draft_seconds for r, tree in zip(active, trees)}
         for r, tree, s, a, node_slots in zip(active, trees, specs, actions, scratch):
             n = tree.num_nodes
             t1 = time.perf_counter()
@@ -445,7 +444,7 @@ class Engine:
         host = max(0.0, time.perf_counter() - started - choosing - draft_wall - forward_seconds)
         for r, stats in done:  # the whole step's host work, as its forward is the whole batch's (RoundStats)
             stats.host_seconds = host
-            stats.round_seconds = forward_seconds + tree_draft[r.index] + host
+            stats.round_seconds = forward_seconds + stats.time["draft"] + host
             if self.round_cost is not None:
                 stats.cost, stats.cost_ar = self.round_cost(stats)
             r.rounds.append(stats)
