@@ -142,7 +142,7 @@ class FittedCostModel(CostModel):
 
     @classmethod
     def from_trace(cls, trace: Any) -> FittedCostModel:
-        """Fit both parts to a trace's calibration samples (env.record)."""
+        """Fit every part to a trace's calibration samples and timed live rounds (env.record)."""
         a = trace.arrays
         if len(a["cal_target_seconds"]) < 8 or len(a["cal_draft_seconds"]) < 3:
             raise ValueError(
@@ -172,14 +172,13 @@ class FittedCostModel(CostModel):
         target = fit_two_regimes(samples)
         plain, n, steps = a["cal_live_plain"], a["cal_live_verified"], a["cal_live_draft_steps"]
         drafted = steps > 0
+        cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
         decode = _single_token_fit(a, ~plain & ~drafted, shape) or target.decode  # K = 0 rounds
         plain_step = _single_token_fit(a, plain, shape) or decode
-        h = ~(drafted & (n <= 1))  # K = 0, target-only and tree rounds: a drafted round cut to its root is below
-        host = fit_host_cost(n[h], a["cal_live_host_seconds"][h], plain[h])
-        # a drafted round cut to its root (nothing kept, nothing matched) ran a slower single-token forward and more
-        # host work than a K = 0 round (its tree, its cut); that surplus is priced with its drafting
+        host = fit_host_cost(n[~cut], a["cal_live_host_seconds"][~cut], plain[~cut])  # K = 0, target-only, trees
+        # a cut round ran a slower single-token forward and more host work than a K = 0 round (its tree, its cut);
+        # that surplus is priced with its drafting
         seconds = a["cal_live_draft_seconds"].astype(np.float64)
-        cut = drafted & (n <= 1)
         L, _, r = shape
         k0 = [decode.seconds(1, L * r, L, int(c)) + host.single for c in a["cal_live_context"][cut]]
         surplus = a["cal_live_forward_seconds"][cut] + a["cal_live_host_seconds"][cut] - np.asarray(k0)

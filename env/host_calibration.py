@@ -26,19 +26,10 @@ from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
 from engine.spec.sampling import SamplingParams
 from env.costs import draft_rule, drafter_steps
+from env.trace import ARRAYS
 
 WARMUP_TOKENS = 4
-LIVE_ARRAYS = {  # name -> dtype, one entry per timed live round (env.trace.ARRAYS documents them)
-    "cal_live_verified": "int16",
-    "cal_live_plain": "bool",
-    "cal_live_context": "int32",
-    "cal_live_draft_steps": "int8",
-    "cal_live_rule": "int8",
-    "cal_live_width": "int8",
-    "cal_live_draft_seconds": "float32",
-    "cal_live_forward_seconds": "float32",
-    "cal_live_host_seconds": "float32",
-}
+LIVE_ARRAYS = {k: dtype for k, (dtype, _) in ARRAYS.items() if k.startswith("cal_live_")}  # one entry per timed round
 
 
 SCORED_THRESHOLD = 0.1  # the grid's loosest threshold (raw), 0.05 its loosest calibrated one: deep trees still grow
@@ -99,9 +90,11 @@ class HostCalibrator:
                 remaining = max_new_tokens - position
                 kd = min(action.depth, remaining - 1) if action is not None and remaining > 1 else 0
                 steps = drafter_steps(kd, r.built_depth, action) if kd > 0 else 0
-                row = (r.verified_tokens, action is None, r.context_len, steps, rule, r.width,
-                       r.time["draft"] if steps > 0 else 0.0, r.time["forward"], r.host_seconds)  # fmt: skip
-                for k, v in zip(LIVE_ARRAYS, row):
-                    out[k].append(v)
+                row = {"verified": r.verified_tokens, "plain": action is None, "context": r.context_len,
+                       "draft_steps": steps, "rule": rule, "width": r.width,
+                       "draft_seconds": r.time["draft"] if steps > 0 else 0.0, "forward_seconds": r.time["forward"],
+                       "host_seconds": r.host_seconds}  # fmt: skip
+                for k, v in row.items():
+                    out[f"cal_live_{k}"].append(v)
                 position += r.committed
         return {k: np.asarray(v, dtype=LIVE_ARRAYS[k]) for k, v in out.items()}

@@ -84,7 +84,7 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "cal_live_verified": ("int16", "[H] tokens a timed live round of the engine verified (1: root only)"),
     "cal_live_plain": ("bool", "[H] the round ran on a target-only engine (no drafter)"),
     "cal_live_context": ("int32", "[H] tokens in the target's cache before it (RoundStats.context_len)"),
-    "cal_live_draft_steps": ("int8", "[H] drafter forwards' depth: min(K, remaining - 1), 0 when nothing drafted"),
+    "cal_live_draft_steps": ("int8", "[H] drafter forwards (env.costs.drafter_steps), 0 when nothing drafted"),
     "cal_live_rule": ("int8", "[H] what scored its nodes as they grew: an index of drafter_cost.DRAFT_RULES"),
     "cal_live_width": ("int8", "[H] W"),
     "cal_live_draft_seconds": ("float32", "[H] its drafting"),
