@@ -66,7 +66,8 @@ def decode(engine: Any, prompt: list[int], max_new_tokens: int, **kw: Any) -> tu
 
 
 def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int, progress=None) -> dict[str, Any]:
-    """{workload: {"static-best-test": {...}, "<learner>-seed<k>": {...}}}: wall-clock speed-ups (module docstring)."""
+    """{workload: {"speedup" / "replay_speedup": {"static-best-test", BARE, "<learner>-seed<k>": ×}, ...}}: wall-clock
+    speed-ups and the replay's (module docstring)."""
     import engine
     from ctrl.stages import learned_policies
     from engine.runtime.frozen import load_frozen_policy
@@ -112,11 +113,11 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
                 if progress is not None:
                     progress(1)
         actors = {k: static_runner(env, idx) if "policy" not in kw else frozen_runner(kw["policy"], env)
-                  for k, (_, kw) in runs.items()}  # fmt: skip
+                  for k, (_, kw) in runs.items() if k != BARE}  # fmt: skip
+        replay = {k: summarize(run_requests(env, test_ids, a, "index")).speedup_vs_ar for k, a in actors.items()}
+        replay[BARE] = replay["static-best-test"]  # the same action, priced on the instrumented engine
         out[name] = {
-            "replay_speedup": {
-                k: summarize(run_requests(env, test_ids, a, "index")).speedup_vs_ar for k, a in actors.items()
-            },  # fmt: skip
+            "replay_speedup": replay,
             "target_only_seconds": sum(best_base),
             "static_best_test_action": dict(
                 depth=spec.depth, width=spec.width, lam=spec.lam, rule=spec.verify_rule, threshold=spec.verify_threshold
