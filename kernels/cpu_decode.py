@@ -111,3 +111,15 @@ def route_softmax(router_logits: torch.Tensor, top_r: int, norm: bool) -> tuple[
     the r largest logits of each row in descending order (ties: lower id first). The caller checks `applies`."""
     w, ids = load().route_softmax(router_logits, top_r, norm)
     return w, ids
+
+
+def routing_footprint(
+    expert_ids: list[torch.Tensor], start: int, n: int, num_experts: int, prev: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int, int] | None:
+    """One request's routing footprint of a verification, in one call: expert_ids L x [N, r] (a forward's routing),
+    rows start .. start + n - 1 (the request's verified tokens, root first), prev [L, E] bool (the previous round's
+    pairs) or None -> (counts [L, E] int64, pairs [L, E] bool, U_l per layer, pairs used, the root's own pairs,
+    pairs also in prev or -1 without prev); None when the ids are not contiguous int64 on the CPU or prev not a
+    contiguous bool CPU tensor (the caller's numpy twin, `engine.runtime.footprint.footprint_numpy`, then runs).
+    ValueError on an id outside [0, num_experts). The caller checks `load()`."""
+    return load().routing_footprint(expert_ids, start, n, num_experts, prev)

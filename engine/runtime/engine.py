@@ -429,11 +429,9 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=feats[off : off + n])
             book = time.perf_counter() - t1
-            ids = None
-            if self.instrument and out.routing is not None and out.routing.expert_ids:
-                ids = [e[off : off + n] for e in out.routing.expert_ids]  # L x [n, r]
-            stats = round_stats(r, tree, s, a, result, committed, ids, self.target.config.num_experts,
-                                self.rank_loads, self.cost_model)  # fmt: skip
+            routing = out.routing.expert_ids if self.instrument and out.routing is not None else None
+            stats = round_stats(r, tree, s, a, result, committed, routing or None, self.target.config.num_experts,
+                                self.rank_loads, self.cost_model, start=off)  # fmt: skip
             stats.time = {**phase, "draft": tree.draft_seconds, "forward": forward_seconds, "sampling": book}
             stats.offload = offload_stats
             stats.batch_size = len(active)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.parallel.placement import ExpertPlacement, layout_stats
+from kernels import cpu_decode
 
 
 @dataclass
@@ -30,13 +31,42 @@ class Footprint:
 
 
 def round_footprint(
-    expert_ids: Sequence[torch.Tensor] | torch.Tensor, num_experts: int, prev_pairs: torch.Tensor | None
+    expert_ids: Sequence[torch.Tensor] | torch.Tensor,
+    num_experts: int,
+    prev_pairs: torch.Tensor | None,
+    rows: tuple[int, int] | None = None,
 ) -> Footprint:
     """expert_ids: L x [n, r] routing of the verified tokens (root first), or them stacked [n, L, r] -> Footprint.
+    rows (start, n): expert_ids is a whole forward's routing L x [N, r] and the round's tokens are its rows
+    start .. start + n - 1 (a batched step's request; no slicing needed).
 
-    Every round of an instrumented engine pays this (~11 µs at one token on this CPU in a loop, ~35 µs in situ
-    after a forward; ~15 µs in a loop before the per-layer ids were stacked in one call and the layer offsets
-    cached)."""
+    Every round of an instrumented engine pays this. For CPU int64 routing it is one C++ call
+    (`kernels.cpu_decode.routing_footprint`, ~3 µs); else the numpy twin `footprint_numpy` (~11 µs at one token in
+    a loop on an AMD EPYC, ~35 µs in situ after a forward, ~100 µs on a slower Xeon: cold caches)."""
+    native = None
+    if not isinstance(expert_ids, torch.Tensor) and expert_ids and cpu_decode.load() is not None:
+        start, n = rows if rows is not None else (0, int(expert_ids[0].shape[0]))
+        native = cpu_decode.routing_footprint(expert_ids, start, n, num_experts, prev_pairs)
+    if native is not None:
+        counts, pairs, distinct, used, root, overlap = native
+        return Footprint(
+            distinct_experts=distinct,
+            tokens_per_expert=counts,
+            pairs=pairs,
+            reuse=1.0 - used / max(n * len(distinct) * int(expert_ids[0].shape[1]), 1),
+            overlap_prev=None if overlap < 0 else overlap / max(used, 1),
+            new_pairs_per_node=(used - root) / (n - 1) if n > 1 else 0.0,
+        )
+    if rows is not None:
+        start, n = rows
+        expert_ids = [e[start : start + n] for e in expert_ids]
+    return footprint_numpy(expert_ids, num_experts, prev_pairs)
+
+
+def footprint_numpy(
+    expert_ids: Sequence[torch.Tensor] | torch.Tensor, num_experts: int, prev_pairs: torch.Tensor | None
+) -> Footprint:
+    """`round_footprint` in numpy, for any device and id dtype (the C++ call's reference twin; tested equal)."""
     if isinstance(expert_ids, torch.Tensor):
         ids = expert_ids
     elif all(e.dim() == 2 for e in expert_ids):
@@ -45,11 +75,13 @@ def round_footprint(
         ids = torch.stack([e.reshape(e.shape[0], -1) for e in expert_ids], 1)
     if ids.device.type != "cpu":
         ids = ids.cpu()
-    a = ids.numpy()  # numpy for the integer bookkeeping: a few µs, where a dozen small torch ops cost ~50
+    a = ids.numpy().astype(np.int64, copy=False)  # numpy for the integer bookkeeping, where torch ops cost more
     n, L = a.shape[0], a.shape[1]
     E = num_experts
-    if a.size and a.min() < 0:
-        raise ValueError("round_footprint takes global expert ids >= 0 (a -1 'not local' id has no expert)")
+    if a.size and (a.min() < 0 or a.max() >= E):
+        bad = int(a.min()) if a.min() < 0 else int(a.max())
+        raise ValueError(f"round_footprint: expert id {bad} outside [0, {E}) (a -1 'not local' id has no expert: "
+                         "take global ids)")  # fmt: skip
     flat = a + _layer_offsets(L, E)  # (layer, expert) -> layer * E + expert: one bincount
     counts = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E)  # [L, E] int64
     pairs = counts > 0

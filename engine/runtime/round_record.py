@@ -22,14 +22,16 @@ def round_stats(
     action: Any,
     result: Any,
     committed: int,
-    ids: list[torch.Tensor] | None,
+    routing: list[torch.Tensor] | None,
     num_experts: int,
     rank_loads: Callable | None = None,
     cost_model: Callable | None = None,
+    start: int = 0,
 ) -> RoundStats:
     """RoundStats of request `r`'s round (`_commit` already advanced it): `spec` the round's SpecConfig (after
-    the end-of-request cap), `action` the one chosen, `result` the verification, `ids` the verified nodes' routing
-    L x [n, r] when the engine is instrumented (footprint, rank loads and the modelled cost need it)."""
+    the end-of-request cap), `action` the one chosen, `result` the verification, `routing` the step's forward's
+    routing L x [N, r] when the engine is instrumented (footprint, rank loads and the modelled cost need it), whose
+    rows start .. start + n - 1 are this round's verified nodes."""
     n = tree.num_nodes
     K = int(tree.max_depth) if n > 1 else 0
     acc = result.accepted_len
@@ -52,14 +54,15 @@ def round_stats(
         verify_rule=spec.verify_rule,
         context_len=r.cached_len - committed,
     )
-    if ids is not None:
-        fp = round_footprint(ids, num_experts, r.prev_pairs)
+    if routing is not None:
+        fp = round_footprint(routing, num_experts, r.prev_pairs, rows=(start, n))
         stats.tokens_per_expert = fp.tokens_per_expert
         stats.distinct_experts = fp.distinct_experts
         stats.reuse = fp.reuse
         stats.overlap_prev = fp.overlap_prev
         stats.new_pairs_per_node = fp.new_pairs_per_node
         r.prev_pairs = fp.pairs
+        ids = [e[start : start + n] for e in routing] if rank_loads is not None or cost_model is not None else []
         if rank_loads is not None:
             stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = rank_loads(ids)
         if cost_model is not None:
