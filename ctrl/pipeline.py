@@ -344,26 +344,12 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
 
     card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
                      "train_requests": conf.workloads.train, "calibration": calibration.to_dict(),
-                     "acceptance": acceptance.to_dict(), "t_ar": plain_step_line(cost, traces)}}  # fmt: skip
+                     "acceptance": acceptance.to_dict()}}  # fmt: skip
     algo = replace(conf.algo, name=learner or conf.algo.name)
     config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: the resolved config
     result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
                          progress, make_eval_envs)  # fmt: skip
     return result.policy_paths
-
-
-def plain_step_line(cost: CostSpecConf, traces: dict[str, Any], context: int = 1024) -> dict[str, float] | None:
-    """The frozen card's "t_ar" (engine.runtime.frozen): T_AR(c) = base + per_context · c of this machine's measured
-    cost (kind "fitted"), its fits to every workload's trace averaged; None for the modelled kinds, whose seconds are
-    another machine's (a deployment on this one would compare them with its own clock)."""
-    if cost.kind != "fitted":
-        return None
-    from env.costs import FittedCostModel
-
-    models = [FittedCostModel.from_trace(traces[n]) for n in sorted(traces)]
-    base = float(np.mean([m.ar(0) for m in models]))
-    slope = float(np.mean([(m.ar(context) - m.ar(0)) / context for m in models]))
-    return {"base_seconds": base, "per_context_seconds": max(slope, 0.0)}
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

@@ -361,15 +361,12 @@ class Engine:
         actions: list[SpecConfig],
         started: float | None = None,
         choosing: float = 0.0,
-        t_ar: Callable[[int], float] | None = None,
     ) -> None:
         """One round for every request in `active` with its validated action (SpecConfig).
 
         started: perf_counter() when the caller's step began (Session.step: before the actions were chosen and
         checked), `choosing` the seconds of that spent choosing them; the step's host work (RoundStats.host_seconds)
-        is the wall time since then minus choosing, drafting and the target's forward. t_ar: context length -> T_AR
-        seconds (a deployed frozen policy's, engine.runtime.frozen), stamped as `RoundStats.cost_ar` when no
-        `round_cost` hook prices the round (its cost is then the measured `round_seconds`)."""
+        is the wall time since then minus choosing, drafting and the target's forward."""
         started = time.perf_counter() if started is None else started
         self.target.set_backend(self.backend)
         timer = PhaseTimer() if self.timing else None
@@ -448,8 +445,6 @@ class Engine:
             stats.round_seconds = forward_seconds + stats.time["draft"] + host
             if self.round_cost is not None:
                 stats.cost, stats.cost_ar = self.round_cost(stats)
-            elif t_ar is not None:
-                stats.cost_ar = t_ar(stats.context_len)
             r.rounds.append(stats)
             r.history.add(stats)
 

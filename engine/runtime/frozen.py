@@ -5,14 +5,7 @@ A frozen policy folder (written by `ctrl.freeze.freeze`) holds
     policy.pt     TorchScript module: observation vector [B, OBS_DIM] -> action logits [B, sum(nvec)]
                   (observation normalisation folded in)
     policy.json   {"format": "expertspec-policy-v1", "obs_signature": OBS_SIGNATURE, "action_grid": {...},
-                   "nvec": [...], "calibration": {isotonic knots} | null, "acceptance": {...} | null,
-                   "t_ar": {"base_seconds", "per_context_seconds"} | null, "algo": ..., ...}
-
-"t_ar" (policies trained under this machine's measured cost, ctrl.pipeline.train): the plain decode step T_AR(context)
-of the cost model the policy trained under, a line in the context length. The engine's session stamps it on every
-round of a deployment without a `round_cost` hook (`RoundStats.cost_ar`), so the observation's utility features
-(committed · T_AR / round seconds, and T_spec / T_AR) carry the values the policy trained on instead of 1; valid on
-the machine the cost was measured on (elsewhere attach a `round_cost` hook, which takes precedence).
+                   "nvec": [...], "calibration": {isotonic knots} | null, "acceptance": {...} | null, "algo": ..., ...}
 
 `load_frozen_policy(path)` returns a plain callable `obs -> SpecConfig` (deterministic: argmax per action
 dimension) that the engine takes as `policy=`; it refuses a policy made for another observation layout.
@@ -23,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,14 +57,6 @@ class FrozenPolicy:
         self.calibration = IsotonicCalibration.from_dict(cal) if cal else None
         acc = card.get("acceptance")
         self.acceptance = AcceptanceModel.from_dict(acc) if acc else None  # the "calibrated" rule's model
-        line = card.get("t_ar")
-        self.t_ar: Callable[[int], float] | None = None  # context length -> T_AR seconds (module docstring)
-        if line:
-            base, slope = float(line["base_seconds"]), float(line["per_context_seconds"])
-            if not (base > 0 and slope >= 0):
-                raise ValueError(f"frozen policy: its card's t_ar {line} is not a plain step's cost (base > 0, "
-                                 "per_context >= 0)")  # fmt: skip
-            self.t_ar = _Line(base, slope)
         if self.acceptance is None and self.grid.needs_acceptance:
             raise ValueError("frozen policy: its action grid has the 'calibrated' rule but the card stores no "
                              "acceptance model (retrain it with `python -m ctrl.train`)")  # fmt: skip
@@ -168,17 +152,6 @@ class FrozenPolicy:
         return self.act_vector(v)
 
     __call__ = act
-
-
-@dataclass(frozen=True)
-class _Line:
-    """T_AR(context) = base + per_context · context, seconds (the card's "t_ar")."""
-
-    base: float
-    per_context: float
-
-    def __call__(self, context_len: int) -> float:
-        return self.base + self.per_context * context_len
 
 
 @dataclass(frozen=True)

@@ -228,8 +228,7 @@ class Session:
         active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
         saved = [_Saved.of(r) for r in active]
         try:
-            self.engine._step(active, self.kv, specs, started=started, choosing=sum(self._policy_seconds.values()),
-                              t_ar=getattr(self.policy, "t_ar", None))  # fmt: skip
+            self.engine._step(active, self.kv, specs, started=started, choosing=sum(self._policy_seconds.values()))
         except Exception as err:
             self._roll_back(active, saved, err)
             raise

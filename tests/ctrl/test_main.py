@@ -297,34 +297,6 @@ def test_policy_from_another_observation_layout_is_refused(trained, tmp_path):
         load_frozen_policy(tmp_path / "missing")
 
 
-def test_a_measured_cost_policy_carries_its_plain_step_line(trained, tmp_path):
-    """Trained under this machine's measured cost, a frozen card stores T_AR(context) of that cost (the fitted
-    model's own `ar`, a line in the context); the loaded policy hands it to the engine (engine.runtime.frozen), a
-    modelled cost stores none, and a card with a line that is no step's cost is refused."""
-    import shutil
-
-    from ctrl.config import CostSpecConf
-    from ctrl.pipeline import plain_step_line
-    from env.costs import FittedCostModel
-
-    conf, trace, _, path, _ = trained
-    assert plain_step_line(conf.costs[0], {"code": trace}) is None or conf.costs[0].kind == "fitted"
-    line = plain_step_line(CostSpecConf(name="measured-cpu", kind="fitted"), {"code": trace})
-    fitted = FittedCostModel.from_trace(trace)
-    assert line["base_seconds"] == pytest.approx(fitted.ar(0)) and line["base_seconds"] > 0
-    assert line["base_seconds"] + 300 * line["per_context_seconds"] == pytest.approx(fitted.ar(300))
-    assert plain_step_line(CostSpecConf(kind="roofline"), {"code": trace}) is None
-    assert load_frozen_policy(path).t_ar is None  # the fixture's card has none
-    mine = tmp_path / "mine"
-    shutil.copytree(path, mine)
-    card = json.loads((mine / "policy.json").read_text())
-    (mine / "policy.json").write_text(json.dumps({**card, "t_ar": line}))
-    assert load_frozen_policy(mine).t_ar(300) == pytest.approx(fitted.ar(300))
-    (mine / "policy.json").write_text(json.dumps({**card, "t_ar": {"base_seconds": 0.0, "per_context_seconds": 0}}))
-    with pytest.raises(ValueError, match="not a plain step's cost"):
-        load_frozen_policy(mine)
-
-
 @pytest.mark.parametrize("mode", ["offline", "disabled"])
 def test_wandb_modes(trained, tmp_path, mode):
     conf, trace, grid, _, acceptance = trained

@@ -329,30 +329,3 @@ def test_round_seconds_are_drafting_forward_and_host_work_without_the_choice(zoo
     (alone,) = engine.Engine(target).generate(prompts[:1], 10)
     wall = time.perf_counter() - wall
     assert all(r.host_seconds > 0 for r in alone.rounds) and sum(r.round_seconds for r in alone.rounds) < wall
-
-
-def test_a_policys_plain_step_line_prices_its_observations_utility(zoo):
-    """A deployed policy with `t_ar` (a frozen card's T_AR line) and no round_cost hook: every round's cost_ar is
-    T_AR(context), its cost the measured round, so the observation's utility is committed · T_AR / round_seconds, as
-    the policy trained on (not 1); a round_cost hook takes precedence."""
-    target, drafter, prompts = zoo
-    seen: list[Observation] = []
-
-    class Deployed:
-        t_ar = staticmethod(lambda context_len: 1e-3 + 1e-6 * context_len)
-
-        def __call__(self, obs):
-            seen.append(obs)
-            return CHAIN
-
-    (res,) = engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, policy=Deployed())
-    for r in res.rounds:
-        assert r.cost is None and r.cost_ar == pytest.approx(1e-3 + 1e-6 * r.context_len)
-    for obs, r in zip(seen[1:], res.rounds):
-        assert obs.utility_last == pytest.approx(r.committed * r.cost_ar / r.round_seconds)
-        assert obs.cost_ratio_last == pytest.approx(r.round_seconds / r.cost_ar)
-    hooked = engine.Engine(target, drafter=drafter, round_cost=lambda s: (2.0, 1.0))
-    (res,) = hooked.generate(prompts[:1], 10, policy=Deployed())
-    assert all((r.cost, r.cost_ar) == (2.0, 1.0) for r in res.rounds)
-    (res,) = engine.Engine(target, drafter=drafter).generate(prompts[:1], 10, policy=lambda obs: CHAIN)
-    assert all(r.cost_ar is None for r in res.rounds)  # a policy without a line: nothing stamped, utility 1
