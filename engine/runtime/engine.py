@@ -43,7 +43,7 @@ from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.gumbel import position_gumbel_many, verify_gumbel
-from engine.spec.sampling import SamplingParams, process_logits, sample_from_probs
+from engine.spec.sampling import SamplingParams, process_logits, row_argmax, sample_from_probs
 from engine.spec.verify import VerifyResult, verify_tree
 from engine.timing import PhaseTimer
 
@@ -456,7 +456,7 @@ class Engine:
             return verify_gumbel(tree.tokens, tree.parents, process_logits(logits, r.params), noise)
         if tree.num_nodes == 1:  # plain decode: the same draw as target-only sampling
             if r.params.greedy:
-                tok = int(logits[0].argmax())
+                tok = row_argmax(logits[0])
             else:
                 tok = sample_from_probs(process_logits(logits[0], r.params), r.generator)
             return VerifyResult(accepted_nodes=[], committed_tokens=[tok], bonus=True, rejection_depth=None)

@@ -77,6 +77,16 @@ class SamplingParams:
         return self.mode == "position" and not self.greedy
 
 
+def row_argmax(x: Tensor) -> list[int] | int:
+    """argmax over the last dimension of x [N, V] (a list of N ints) or [V] (an int); first index on ties, NaN wins,
+    as `torch.argmax`. CPU float32 / float64 rows go through numpy: torch's CPU argmax over a 4096-word row costs ~15
+    µs (~78 µs over 9 rows) against ~3 (~6), measured on the engine's greedy path, where that is a few per cent of a
+    small model's decode step."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return x.detach().numpy().argmax(-1).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
 def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """Logits [..., V] -> float32 probabilities [..., V] after temperature, top-k, then top-p.
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.spec.sampling import SamplingParams, draw_uniform, sample_from_probs
+from engine.spec.sampling import SamplingParams, draw_uniform, row_argmax, sample_from_probs
 
 # N=tree nodes (root included) V=vocab
 
@@ -133,7 +133,7 @@ def verify_tree(
 
 
 def _walk_greedy(tree: _Tree, target_probs: Tensor) -> VerifyResult:
-    target_argmax = target_probs.argmax(dim=-1).tolist()  # [N]; first index on ties
+    target_argmax = row_argmax(target_probs)  # [N]; first index on ties
     accepted: list[int] = []
     children_tried: list[int] = []
     node = 0

@@ -191,3 +191,19 @@ def test_process_logits_at_temperature_one_is_the_shifted_softmax_bit_for_bit() 
         x[..., 3] = -math.inf
         shifted = x - x.amax(dim=-1, keepdim=True)
         assert torch.equal(process_logits(x, SamplingParams(temperature=1.0)), torch.softmax(shifted / 1.0, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_argmax_equals_torch_argmax_ties_and_nan_included(dtype) -> None:
+    """The greedy path's argmax (numpy for CPU float32 / float64 rows): torch.argmax's answer on random rows, on
+    rows with tied maxima (the first index) and with NaN (the first NaN), for [N, V] and [V]."""
+    from engine.spec.sampling import row_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 4096, generator=g).to(dtype)
+    x[1, [7, 300, 4000]] = 50.0  # ties
+    x[2, [11, 12]] = float("nan")
+    x[3, :] = 0.0
+    want = torch.argmax(x, dim=-1).tolist()
+    assert row_argmax(x) == want and want[1] == 7 and want[2] == 11 and want[3] == 0
+    assert row_argmax(x[4]) == int(torch.argmax(x[4])) and isinstance(row_argmax(x[4]), int)
