@@ -39,6 +39,7 @@ from engine.models.config import ModelConfig, parse_config
 from engine.models.kv_cache import PagedKVCache
 from engine.models.layers import add_norm, sign_sin
 from engine.models.transformer import DecoderLayer, ForwardBatch, Model, RMSNorm, rope_cos_sin
+from kernels.small_m import linear
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,10 @@ class EagleHead(FeatureHead):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def fuse(self, features: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([features, token_emb.to(features.dtype)], dim=-1))
+        x = torch.cat([features, token_emb.to(features.dtype)], dim=-1)
+        if torch.is_grad_enabled() or x.dim() != 2:
+            return self.fc(x)
+        return linear(x, self.fc.weight, self.fc.bias, pack=True)  # inference: the small-M kernel, not BLAS
 
 
 def save_head(head: FeatureHead, path: str | os.PathLike, target: Model, dtype: torch.dtype = torch.bfloat16,
