@@ -340,8 +340,6 @@ def test_bad_inputs_raise_value_error():
 def test_gumbel_argmax_equals_torchs_argmax_of_the_perturbed_rows():
     """The CPU path (numpy's argmax) picks what torch.argmax picks, masked (-inf) tokens and an all -inf row
     included, as a LongTensor [N]."""
-    from engine.spec.gumbel import gumbel_argmax, position_gumbel_many
-
     g = torch.Generator().manual_seed(0)
     lp = torch.log_softmax(torch.randn(6, 512, generator=g), -1)
     lp[0, :100] = float("-inf")
