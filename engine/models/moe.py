@@ -72,8 +72,9 @@ class DenseMLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # inference: gate and up projections in one matmul
         h = linear(x, fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight]), pack=True)
-        inter = self.gate_proj.weight.shape[0]  # the down projection through the small-M kernel too: F.linear's BLAS
-        return linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight, pack=True)  # costs more here
+        inter = self.gate_proj.weight.shape[0]
+        # the down projection through the small-M kernel too (BLAS forks threads that stall when the other core is busy)
+        return linear(F.silu(h[..., :inter]) * h[..., inter:], self.down_proj.weight, pack=True)
 
 
 class Experts(nn.Module):
