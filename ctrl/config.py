@@ -36,6 +36,9 @@ class AlgoConf:
     gae_lambda: float = 0.9
     ent_coef: float = 0.01
     net_arch: list[int] = field(default_factory=lambda: [64, 64])
+    # learned policies observe this round's draft before choosing (`confidence_now`: the drafter's probe, deployed
+    # as Session.probe) where the drafter has a probe (the prompt lookup); a round drafting nothing pays for it
+    probe: bool = True
     normalize_reward: bool = True
     # SAC / TD3 (off-policy, Box action): replay buffer, warm-up steps, Polyak τ, vectorised steps per update,
     # updates per train_freq (-1: one per transition collected, SB3's convention; with 1 and 4 envs SAC saw a

@@ -188,11 +188,20 @@ def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
 
 
 def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None,
-               calibration: Any = None, acceptance: Any = None, action_kind: str = "multidiscrete"):  # fmt: skip
+               calibration: Any = None, acceptance: Any = None, action_kind: str = "multidiscrete",
+               probe: bool = False):  # fmt: skip
     from env.replay import ReplayEnv
 
     return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration,
-                     acceptance=acceptance, action_kind=action_kind)  # fmt: skip
+                     acceptance=acceptance, action_kind=action_kind, probe=probe)  # fmt: skip
+
+
+def probes(conf: MainConf, traces: dict[str, Any]) -> bool:
+    """Whether the learned policies observe a probe of each round's draft (conf.algo.probe, and every workload's
+    drafter has one: env.replay's `probe`)."""
+    from env.costs import drafter_probes
+
+    return bool(conf.algo.probe) and all(drafter_probes(t) for t in traces.values())
 
 
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:
@@ -332,19 +341,21 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     calibration = calibrate(conf, traces)
     acceptance = fit_acceptance_model(conf, traces)
     kind = action_kind(learner or conf.algo.name)
+    probe = probes(conf, traces)
 
     def make_env(rank: int):
         name = names[rank % len(names)]
         train_ids, _ = split(traces[name], conf)
-        return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind)
+        return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind, probe)
 
     def make_eval_envs():
-        return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind)
+        return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind, probe)
                 for n in names}  # fmt: skip
 
     card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
                      "train_requests": conf.workloads.train, "calibration": calibration.to_dict(),
-                     "acceptance": acceptance.to_dict()}}  # fmt: skip
+                     "acceptance": acceptance.to_dict(),
+                     "probe": [grid.max_depth, max(grid.widths)] if probe else None}}  # fmt: skip
     algo = replace(conf.algo, name=learner or conf.algo.name)
     config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: the resolved config
     result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
@@ -381,6 +392,10 @@ def evaluate(
         trace = traces[name]
         train_ids, test_ids = split(trace, conf)
         env = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance)
+        # the learned policies' env: with the probe they observe (and pay for) when they were trained with one
+        probed = any(fp.probe for fps in frozen.values() for fp in fps)
+        lenv = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=True) if probed \
+            else env  # fmt: skip
         from env.calibration import acceptance_error, calibration_error
 
         extras["calibration"][name] = calibration_error(trace, calibration, test_ids)
@@ -419,7 +434,8 @@ def evaluate(
         for learner, fps in frozen.items():
             seed_rows = []
             for k, fp in enumerate(fps):
-                reqs = run_requests(env, test_ids, frozen_runner(fp, env), "index")
+                fenv = lenv if fp.probe else env
+                reqs = run_requests(fenv, test_ids, frozen_runner(fp, fenv), "index")
                 r = row(f"{learner}-seed{k}", name, cost, reqs, seed=fp.card.get("seed"), trained_under=trained)
                 rows.append(r)
                 seed_rows.append(r)
@@ -443,9 +459,10 @@ def evaluate(
                 else float("nan")
                 for r in seed_rows
             ]
-            extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, best_train)
+            fenv = lenv if fps[0].probe else env
+            extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, best_train, fenv)
             if conf.ablation:
-                extras["ablation"].setdefault(learner, {})[name] = ablation(env, test_ids, fps, grid, best_train[0])
+                extras["ablation"].setdefault(learner, {})[name] = ablation(fenv, test_ids, fps, grid, best_train[0])
         if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
             rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
                               next(iter(frozen.values()), [])[:1], env, calibration, acceptance)  # fmt: skip
@@ -473,7 +490,8 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     if key not in _MODELS:
         _MODELS[key] = load_models(m.target, m.drafter, m.predictor)
     sampling = {"temperature": conf.workloads.temperature, "seed": 0} if conf.workloads.temperature > 0 else None
-    env = LiveEnv(models=_MODELS[key], prompts=[trace.prompt(i) for i in requests],
+    probe = bool(frozen and frozen[0].probe)
+    env = LiveEnv(models=_MODELS[key], prompts=[trace.prompt(i) for i in requests], probe=probe,
                   max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
                   cost=env_cost(cost),
                   fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration,
@@ -481,12 +499,16 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     local = list(range(len(requests)))
     out = []
     idx = tuple(static[f"{workload}/static-best-train"])
-    actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)))] if grid.depths[0] == 0 else []
-    actors.append(("static-best-train", static_runner(env, idx)))
+    actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)), False)] if grid.depths[0] == 0 else []
+    actors.append(("static-best-train", static_runner(env, idx), False))
     if frozen:
-        actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env)))
-    for label, act in actors:
-        same = summarize(run_requests(replay, list(requests), act, "index")).committed_per_cost
+        actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env), probe))
+    shape = env.probe
+    for label, act, probed in actors:
+        env.probe = shape if probed else None  # only the policy that observes the probe runs (and pays) it
+        twin = replay if not probed else replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance,
+                                                    probe=True)  # fmt: skip
+        same = summarize(run_requests(twin, list(requests), act, "index")).committed_per_cost
         reqs = []
         for i in local:
             vec, _ = env.reset(options={"request": i})

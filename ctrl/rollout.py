@@ -83,12 +83,15 @@ def frozen_runner(policy: Any, env: Any, freeze: dict[int, int] | None = None):
     return act
 
 
-def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], best_train: Sequence[int]) -> list[float]:
+def train_fit(env: Any, train_ids: Sequence[int], frozen: Sequence[Any], best_train: Sequence[int],
+              policy_env: Any = None) -> list[float]:  # fmt: skip
     """Each seed's committed per cost on its own training prompts ÷ static-best-train's there (`best_train`, the
     grid indices of the action chosen on them): below 1 the learner does not even fit what it was trained on (the
-    observation lacks what it needs), above 1 here but not on the held-out prompts it over-fits."""
+    observation lacks what it needs), above 1 here but not on the held-out prompts it over-fits. `policy_env`: the
+    env the learned policies run on (one with their probe), default `env`."""
+    penv = env if policy_env is None else policy_env
     static = summarize(run_requests(env, train_ids, static_runner(env, best_train), "index"))
-    return [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
+    return [summarize(run_requests(penv, train_ids, frozen_runner(fp, penv), "index")).committed_per_cost
             / static.committed_per_cost for fp in frozen]  # fmt: skip
 
 

@@ -112,9 +112,14 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
                                              "target-only decoding")  # fmt: skip
                 if progress is not None:
                     progress(1)
-        actors = {k: static_runner(env, idx) if "policy" not in kw else frozen_runner(kw["policy"], env)
-                  for k, (_, kw) in runs.items() if k != BARE}  # fmt: skip
-        replay = {k: summarize(run_requests(env, test_ids, a, "index")).speedup_vs_ar for k, a in actors.items()}
+        penv = replay_env(trace, cost, grid_of(conf), test_ids, calibration, acceptance, probe=True) \
+            if any(kw["policy"].probe for _, kw in runs.values() if "policy" in kw) else env  # fmt: skip
+        actors = {}
+        for k, (_, kw) in runs.items():
+            if k != BARE:  # a learned policy with a probe replays where it pays the probe, as it runs
+                e = penv if "policy" in kw and kw["policy"].probe else env
+                actors[k] = (e, static_runner(e, idx) if "policy" not in kw else frozen_runner(kw["policy"], e))
+        replay = {k: summarize(run_requests(e, test_ids, a, "index")).speedup_vs_ar for k, (e, a) in actors.items()}
         replay[BARE] = replay["static-best-test"]  # the same action, priced on the instrumented engine
         out[name] = {
             "replay_speedup": replay,

@@ -91,6 +91,11 @@ class CostModel:
         """The host work of a target-only engine's step, a part of T_AR (0 unless measured: the fitted kind)."""
         return 0.0
 
+    def probe(self, context_len: int, depth: int, width: int) -> float:
+        """A drafter's probe of a depth × width tree before the choice (Session.probe; what a round that then drafts
+        nothing still pays): the price of drafting that tree (the fitted kind: the timed probes' fit)."""
+        return self.draft(depth, width, False, context_len) if depth > 0 else 0.0
+
     def book(self, n: int) -> float:
         """T_book: the engine's host work of a round verifying n tokens (0 unless measured: the fitted kind)."""
         return 0.0

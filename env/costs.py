@@ -44,7 +44,7 @@ from engine.cost.drafter_cost import (
     fit_drafter_cost,
 )
 from engine.cost.fitted import CostSample, DecodeVerifyCost, FittedCost, fit_cost_model, fit_two_regimes
-from engine.cost.host_cost import HostCost, fit_host_cost
+from engine.cost.host_cost import HostCost, ProbeCost, fit_host_cost, fit_probe_cost
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
 from env.cost_model import CostModel, RooflineCostModel, RoundCost
 from env.models import NGRAM_DRAFTER
@@ -98,9 +98,11 @@ class FittedCostModel(CostModel):
         routing_shape: tuple[int, int, int],
         host: HostCost | None = None,
         plain_step: FittedCost | None = None,
+        probe_fit: ProbeCost | None = None,
     ) -> None:
-        """plain_step: a target-only engine's forward (T_AR's; default `target.decode`)."""
-        self.target, self.drafter_fit = target, drafter
+        """plain_step: a target-only engine's forward (T_AR's; default `target.decode`); probe_fit: the drafter's timed
+        probes (default: priced as drafting, CostModel.probe)."""
+        self.target, self.drafter_fit, self.probe_fit = target, drafter, probe_fit
         self.host = host if host is not None else HostCost(0.0, 0.0, 0.0, 0.0)
         self.plain_step = plain_step if plain_step is not None else target.decode
         self.routing_shape = routing_shape
@@ -111,7 +113,7 @@ class FittedCostModel(CostModel):
             dataclasses.asdict(drafter),
             dataclasses.asdict(self.host),
             dataclasses.asdict(self.plain_step),
-        ]
+        ] + ([dataclasses.asdict(probe_fit)] if probe_fit is not None else [])
 
     def verify(
         self,
@@ -134,6 +136,12 @@ class FittedCostModel(CostModel):
 
     def book_ar(self) -> float:
         return self.host.plain
+
+    def probe(self, context_len: int, depth: int, width: int) -> float:
+        if depth <= 0:
+            return 0.0
+        return self.probe_fit.seconds(context_len) if self.probe_fit is not None else super().probe(
+            context_len, depth, width)  # fmt: skip
 
     def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
         """T_AR: a target-only engine's step, its forward and its host work."""
@@ -188,7 +196,12 @@ class FittedCostModel(CostModel):
         live = zip(steps[drafted].tolist(), a["cal_live_width"][drafted].tolist(), [False] * int(drafted.sum()),
                    seconds[drafted].tolist(), [DRAFT_RULES[i] for i in a["cal_live_rule"][drafted]])  # fmt: skip
         drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
-        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step)
+        probed = a["probe_seconds"] > 0  # the drafter's probe at every position it could draft (none: no probe)
+        pos = np.flatnonzero(probed)
+        req = np.searchsorted(cont_offsets, pos, side="right") - 1
+        context = (prompt_offsets[req + 1] - prompt_offsets[req]) + (pos - cont_offsets[req]) - 1
+        probe = fit_probe_cost(context, a["probe_seconds"][pos])
+        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step, probe)
 
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):
@@ -207,6 +220,11 @@ def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tu
 
 
 LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model
+
+
+def drafter_probes(trace: Any) -> bool:
+    """True when the trace's drafter has a probe (`NGramDrafter.probe`; its trace timed one at every position)."""
+    return _is_lookup(trace.meta["drafter"]["name"])
 
 
 def _is_lookup(drafter_name: str | None) -> bool:

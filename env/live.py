@@ -21,6 +21,11 @@ is not deterministic. For a model spec larger than the target the verified tree 
 identity-keyed synthetic router (engine.cost.node_router) exactly as replay does, and the RoundStats'
 footprint fields describe that routing.
 
+Probe (`probe=True`, a drafter with `probe`: the prompt lookup): before every round the session probes the
+grid's tree(Kmax, max W) (Session.probe) and the observation's `confidence_now` holds its confidence per depth; a round
+that then drafts nothing pays the probe (the cost model's `probe`; kind "measured": its measured seconds, in every
+round), as in expertspec/Replay-v0.
+
 Sampling: greedy, or drafter-invariant seeded sampling (`sampling={"temperature": 0.7, "mode":
 "position", "seed": s}`; request i uses seed s + i, as env.record does), so a live episode's text
 matches its trace.
@@ -95,6 +100,11 @@ class CaptureDrafter:
     def finish(self, seq_id) -> None:
         self.inner.finish(seq_id)
 
+    def __getattr__(self, name: str) -> Any:  # `probe` and the like, where the inner drafter has them
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
 
 class LiveEnv(gym.Env):
     """See the module docstring."""
@@ -123,6 +133,7 @@ class LiveEnv(gym.Env):
         batch_size: int = 1,
         eos: bool = True,
         models: tuple | None = None,
+        probe: bool = False,
     ) -> None:
         super().__init__()
         grid = as_grid(grid)
@@ -147,6 +158,9 @@ class LiveEnv(gym.Env):
         target_model, drafter_obj, info = models if models is not None else load_models(target, drafter, predictor)
         if drafter_obj is None:
             raise ValueError("Live-v0 needs a drafter (the action chooses its speculation)")
+        if probe and not hasattr(drafter_obj, "probe"):
+            raise ValueError(f"probe=True needs a drafter with a probe (the prompt lookup), got {info.drafter_name!r}")
+        self.probe = (grid.max_depth, max(grid.widths)) if probe else None
         if any(x > 0 for x in grid.lams) and not getattr(drafter_obj, "predicts_experts", False):
             raise ValueError(f"grid λ {grid.lams} has λ > 0 but the drafter has no expert predictor: use lams=(0.0,)")
         self.info_models = info
@@ -214,7 +228,7 @@ class LiveEnv(gym.Env):
             self._prev_pairs[rid] = pairs
         if self.measured:
             cost = RoundCost(
-                draft=stats.time.get("draft", 0.0),
+                draft=stats.time.get("draft", 0.0) + stats.probe_seconds,
                 verify=stats.time.get("forward", 0.0),
                 book=stats.host_seconds,
                 ar=self._ar_measured,
@@ -227,6 +241,9 @@ class LiveEnv(gym.Env):
             steps = drafter_steps(kd, stats.built_depth, spec) if kd > 0 else 0
             cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, steps, spec.width, aware, counts,
                                          draft_rule(spec))  # fmt: skip
+            if self.probe is not None and kd == 0 and stats.probe_seconds > 0:  # probed, then drafted nothing
+                K, W = self.probe
+                cost = replace(cost, draft=cost.draft + self.cost_model.probe(ctx, min(K, remaining - 1), W))
         self._costs[rid] = cost
         return cost.total, cost.ar
 
@@ -287,6 +304,7 @@ class LiveEnv(gym.Env):
         s = self.session
         rid = s.active[0] if s.active else 0
         req = s.requests[rid]
+        probe = s.probe(rid, *self.probe) if self.probe is not None and s.active else []
         obs = observe(
             req.rounds,
             position=len(req.new_tokens),
@@ -296,6 +314,7 @@ class LiveEnv(gym.Env):
             calibration=self.calibration,
             top_k=r,
             num_moe_layers=L,
+            probe=probe,
         )
         return obs.vector()
 

@@ -27,11 +27,18 @@ over an episode of N tokens is N − Σ T_t/T_AR,t, so K = 0 everywhere scores e
 the raw parts: committed, accepted, verified, drafted, cost (T_spec), cost_draft, cost_verify, cost_book,
 cost_ar, distinct_experts (Σ_l U_l), utility, position, request.
 
+Probe (`probe=True`; drafters with `probe` only, the prompt lookup): the observation's `confidence_now` is this
+round's draft confidence per depth of tree(Kmax, max W) of the grid, as a policy deployed with `probe` sees it
+(Session.probe: the engine drafts that tree before the choice). The trace recorded that tree's confidence at every
+position, so it is a lookup; the probe's cost (the cost model's `probe`: the fitted kind's timed probes, otherwise the
+price of drafting that tree) is added to every action that then drafts nothing (K = 0; a drafted round takes the
+probe's match and pays it once, inside its drafting).
+
 Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid
 or its fields; widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its
 fields), routing ("auto" | "recorded" | "synthetic"), calibration (confidence -> P(accepted)),
 acceptance (engine.drafting.acceptance.AcceptanceModel of the grid's "calibrated" verification rule),
-requests (indices to draw from), target_digest / drafter_digest (checked against the trace).
+requests (indices to draw from), target_digest / drafter_digest (checked against the trace), probe (above).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
 Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
@@ -41,6 +48,7 @@ device expert cache, empty at every reset, and adds each round's expert transfer
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
@@ -59,7 +67,7 @@ from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
 from env.cost_offload import pairs_mask
-from env.costs import CostConf, make_cost_model, uses_recorded_routing
+from env.costs import CostConf, drafter_probes, make_cost_model, uses_recorded_routing
 from env.tables import PositionReplayer, ReplayTables, load_or_build_tables, routing_for
 from env.trace import Trace, load_trace
 
@@ -116,6 +124,7 @@ class ReplayEnv(gym.Env):
         target_digest: str | None = None,
         drafter_digest: str | None = None,
         cache: bool = True,
+        probe: bool = False,
     ) -> None:
         super().__init__()
         cost_conf = as_cost_conf(cost)
@@ -153,12 +162,42 @@ class ReplayEnv(gym.Env):
         self.tables: ReplayTables = load_or_build_tables(
             trace, grid, self.cost_model, self.routing, cost_conf.router_seed, cache, acceptance=acceptance
         )
+        self.probe: tuple[int, int] | None = None  # (depth, width) of the probed tree
+        self._probe_rows: list[list[float]] | None = None
+        if probe:
+            self._set_probe()
         self._prepare_lookups()
         self.max_new_tokens = int(trace.meta["max_new_tokens"])
         self.request: int | None = None
         self._replayers: dict[int, PositionReplayer] = {}  # off-grid SpecConfig actions, built on demand
         self._cache = cache
         self._routing = None
+
+    def _set_probe(self) -> None:
+        """`probe=True` (module docstring): the probed confidences per position, and the tables' K = 0 columns
+        priced with the probe (a copy: the cached tables stay those of every other env)."""
+        trace, grid = self.trace, self.grid
+        if not drafter_probes(trace):
+            raise ValueError(f"probe=True needs a drafter with a probe (the prompt lookup); this trace's drafter is "
+                             f"{trace.meta['drafter']['name']!r}")  # fmt: skip
+        K, W = grid.max_depth, max(grid.widths)
+        self.probe = (K, W)
+        rows = trace.confidence[:, trace.widths.index(W), :K]  # [P, K]: tree(Kmax, W) cut to the grid's K
+        self._probe_rows = [r.tolist() for r in rows]
+        a = trace.arrays
+        P = len(rows)
+        req = np.searchsorted(a["cont_offsets"], np.arange(P), side="right") - 1
+        t = np.arange(P) - a["cont_offsets"][req]
+        depth = np.minimum(K, trace.meta["max_new_tokens"] - t - 1)  # as the engine (and the recorder) caps it
+        context = (a["prompt_offsets"][req + 1] - a["prompt_offsets"][req]) + t - 1
+        cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(context, depth)])
+        plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
+        tab = copy.copy(self.tables)
+        tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()
+        tab.cost[:, plain] += cost[:, None]
+        tab.draft_cost[:, plain] += cost[:, None]
+        self.tables = tab
+        self._probe_cost = cost.tolist()
 
     # ------------------------------------------------------------------ fast lookups
     def _prepare_lookups(self) -> None:
@@ -209,6 +248,8 @@ class ReplayEnv(gym.Env):
             raise ValueError(f"λ = {spec.lam} > 0 needs predicted experts; this trace has none")
         o = rp.outcome(spec)
         d = rp.draft_cost(spec, self.trace.has_predictions)
+        if self.probe is not None and rp.drafted_depth(spec) <= 0:  # the probe, paid by a round drafting nothing
+            d += self._probe_cost[p]
         return o, d + o.verify + self.cost_model.book(o.n), d, self._ar[p]  # T_AR: the tables' (plain decoding's)
 
     # ------------------------------------------------------------------ gymnasium API
@@ -252,13 +293,21 @@ class ReplayEnv(gym.Env):
             calibration=self.calibration,
             top_k=r,
             num_moe_layers=L,
+            probe=self._probed(),
         )
+
+    def _probed(self) -> list[float]:
+        """This round's probed draft confidence per depth ([] without a probe, or past the request's end)."""
+        if self._probe_rows is None or self.position >= self._T:
+            return []
+        return self._probe_rows[self._p0 + self.position]
 
     def _vector(self) -> np.ndarray:
         """`self._observe().vector()`, computed as the deployed engine computes it (observation_vector)."""
         L, _, r = self.routing_shape
         return observation_vector(self._history, position=self.position, max_new_tokens=self.max_new_tokens,
-                                  calibration=self.calibration, top_k=r, num_moe_layers=L)  # fmt: skip
+                                  calibration=self.calibration, top_k=r, num_moe_layers=L,
+                                  probe=self._probed())  # fmt: skip
 
     def step(self, action: Any):
         if self.request is None or self.position >= self._T:

@@ -110,6 +110,7 @@ class RequestRecorder:
         drafter.prepare([P + conf.max_new_tokens + conf.kmax + 1] * len(seqs))
         for s in seqs:
             drafter.start(s, list(prompt), target_hidden=pre.hidden)
+        probe, probe_seq = getattr(drafter, "probe", None), len(seqs)  # its own sequence: no draft takes its match
         gen = torch.Generator().manual_seed(0)  # unused: deterministic children in greedy / position mode
         cont: list[int] = []
         rec: dict[str, list] = {
@@ -126,6 +127,7 @@ class RequestRecorder:
                 "node_cond_prob",
                 "target_seconds",
                 "draft_seconds",
+                "probe_seconds",
                 "tree_nodes",
             )
         }
@@ -158,6 +160,11 @@ class RequestRecorder:
                 else:
                     trees = [DraftTree.root_only(tokens[-1]) for _ in self.widths]
                 draft_seconds = time.perf_counter() - t0
+                probe_seconds = 0.0  # the probe a policy observing `confidence_now` runs first (Session.probe)
+                if depth > 0 and probe is not None:
+                    t0 = time.perf_counter()
+                    probe(probe_seq, tokens, depth, max(self.widths))
+                    probe_seconds = time.perf_counter() - t0
                 # ---- union of the grid's trees (paths are node identities)
                 u_tok, u_par, u_dep, u_pp, u_w = [tokens[-1]], [-1], [0], [1.0], [(1 << self.nW) - 1]
                 u_pred: list[Any] = [None]
@@ -250,6 +257,7 @@ class RequestRecorder:
                 rec["confidence"].append(conf_rows)
                 rec["target_seconds"].append(target_seconds)
                 rec["draft_seconds"].append(draft_seconds)
+                rec["probe_seconds"].append(probe_seconds)
                 node_offsets.append(node_offsets[-1] + N)
                 if on_position is not None:
                     on_position()
@@ -259,6 +267,8 @@ class RequestRecorder:
         finally:
             for s in seqs:
                 drafter.finish(s)
+            if probe is not None:
+                drafter.finish(probe_seq)
             if 0 in kv.seqs:
                 kv.release(0)
         L, r = self.L, self.target.config.top_r
@@ -277,6 +287,7 @@ class RequestRecorder:
             "confidence": np.stack(rec["confidence"]).astype(np.float32),
             "target_seconds": np.asarray(rec["target_seconds"], dtype=np.float32),
             "draft_seconds": np.asarray(rec["draft_seconds"], dtype=np.float32),
+            "probe_seconds": np.asarray(rec["probe_seconds"], dtype=np.float32),
             "node_token": cat(rec["node_token"], (0,), np.int32),
             "node_parent": cat(rec["node_parent"], (0,), np.int16),
             "node_depth": cat(rec["node_depth"], (0,), np.int8),

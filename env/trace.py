@@ -18,7 +18,8 @@ would draft, with what pricing and replay need (DESIGN.md §3):
      └── tree order           each tree(Kmax, W)'s nodes in the drafter's own order (ties in selection
                               break by that order, so replay selects exactly as the drafter would)
      └── confidence [nW, Kmax] growth confidence of tree(Kmax, W) per depth (RoundStats.draft_confidence)
-     └── seconds               measured union verification and batched drafting
+     └── seconds               measured union verification and batched drafting, and the drafter's probe
+                              (`probe`: the round's confidence before the choice; NGramDrafter) of tree(Kmax, Wmax)
 
 plus calibration samples (measured target forwards of prefix-closed subsets and drafting rounds of
 random (K, W)) from which `engine.cost.fitted` / `engine.cost.drafter_cost` fit the measured cost, and the
@@ -47,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 2  # 2: the timed live rounds (cal_live_*)
+FORMAT_VERSION = 3  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position
 FORMAT_NAME = "expertspec-trace"
 
 # array name -> (dtype, per-what); the whole schema, checked on load
@@ -64,6 +65,7 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "confidence": ("float32", "[P, nW, Kmax] growth confidence of tree(Kmax, W) per depth (0 = not drafted)"),
     "target_seconds": ("float32", "[P] measured verification of the union tree"),
     "draft_seconds": ("float32", "[P] measured batched drafting of the grid's trees"),
+    "probe_seconds": ("float32", "[P] measured probe of tree(Kmax, max width) before a choice (0: none)"),
     "node_token": ("int32", "[M]"),
     "node_parent": ("int16", "[M] local index within the position, -1 for the root"),
     "node_depth": ("int8", "[M]"),

@@ -33,7 +33,7 @@ namespace py = pybind11;
 namespace {
 
 constexpr const char* kCapsule = "expertspec.tanh_mlp.TanhMLP";
-constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_DIM is 38)
+constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_DIM is 46)
 constexpr int kMaxWidth = 1024;  // widest layer the stack buffers hold
 
 struct Layer {
@@ -96,9 +96,9 @@ class TanhMLP {
   // depth of the policy's calibration (none: the raw confidences fill the calibrated block).
   void set_observation(int64_t kmax, std::vector<std::vector<double>> knots_x,
                        std::vector<std::vector<double>> knots_y) {
-    if (kmax <= 0 || 3 * kmax + 14 != static_cast<int64_t>(lo_.size()))
+    if (kmax <= 0 || 4 * kmax + 14 != static_cast<int64_t>(lo_.size()))
       throw std::invalid_argument("TanhMLP: " + std::to_string(lo_.size()) + " inputs is not the observation "
-                                  "layout of kmax " + std::to_string(kmax) + " (3 kmax + 14 values)");
+                                  "layout of kmax " + std::to_string(kmax) + " (4 kmax + 14 values)");
     if (knots_x.size() != knots_y.size()) throw std::invalid_argument("TanhMLP: knots_x and knots_y differ");
     for (size_t d = 0; d < knots_x.size(); ++d)
       if (knots_x[d].size() != knots_y[d].size())
@@ -251,9 +251,11 @@ bool attr_or_default(PyObject* o, PyObject* name, bool optional, double dflt, do
   return as_double(v.p, out);
 }
 
-// observation_values(h, position=..., ...) into v [3 kmax + 14]; false with a Python error set.
+// observation_values(h, position=..., ..., probe=probe) into v [4 kmax + 14]; false with a Python error set.
+// `probe`: a sequence of this round's draft confidences per depth, or nullptr / None (not probed).
 bool observation_values(const TanhMLP& a, PyObject* h, long long position, long long max_new_tokens,
-                        long long batch_size, long long top_k, long long num_moe_layers, double* v) {
+                        long long batch_size, long long top_k, long long num_moe_layers, PyObject* probe,
+                        double* v) {
   const int64_t K = a.kmax();
   if (K <= 0) {
     PyErr_SetString(PyExc_ValueError, "TanhMLP: set_observation() was not called");
@@ -357,6 +359,16 @@ bool observation_values(const TanhMLP& a, PyObject* h, long long position, long 
   long long rounds;
   if (!attr_int(h, s_rounds, &rounds)) return false;
   v[i++] = rounds == 0 ? 1.0 : 0.0;
+  int64_t np_ = 0;  // confidence_now: the probe's first kmax depths, zero-padded
+  if (probe != nullptr && probe != Py_None) {
+    Ref seq(PySequence_Fast(probe, "probe is not a sequence of floats"));
+    if (seq.p == nullptr) return false;
+    np_ = std::min<int64_t>(PySequence_Fast_GET_SIZE(seq.p), K);
+    PyObject** items = PySequence_Fast_ITEMS(seq.p);
+    for (int64_t d = 0; d < np_; ++d)
+      if (!as_double(items[d], &v[i++])) return false;
+  }
+  for (int64_t d = np_; d < K; ++d) v[i++] = 0.0;
   return true;
 }
 
@@ -400,16 +412,17 @@ PyObject* raw_act(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // The actor and the observation values [in] into v of a (actor, history, position, max_new_tokens, batch_size,
-// top_k, num_moe_layers) call named `name`; nullptr with a Python error set.
+// top_k, num_moe_layers[, probe]) call named `name`; nullptr with a Python error set.
 const TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_t nargs, double* v) {
-  if (nargs != 7) {
-    PyErr_Format(PyExc_TypeError, "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers)",
-                 name);
+  if (nargs != 7 && nargs != 8) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe])", name);
     return nullptr;
   }
   const TanhMLP* a = from_capsule(args[0]);
   long long c[5];
-  if (a == nullptr || !history_args(args, c) || !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], v))
+  if (a == nullptr || !history_args(args, c) ||
+      !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], nargs == 8 ? args[7] : nullptr, v))
     return nullptr;
   return a;
 }
@@ -441,14 +454,14 @@ PyObject* raw_logits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return float_list(z, a->num_logits());
 }
 
-// choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> (index per dimension)
+// choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> (index per dimension)
 PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   double v[kMaxIn];
   const TanhMLP* a = history_values("choose", args, nargs, v);
   return a == nullptr ? nullptr : a->act_tuple(v);
 }
 
-// values(actor, history, position, ...) -> [observation values] (the reference check of `choose`'s first half)
+// values(actor, history, position, ...[, probe]) -> [observation values] (the check of `choose`'s first half)
 PyObject* raw_values(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   double v[kMaxIn];
   const TanhMLP* a = history_values("values", args, nargs, v);
@@ -461,7 +474,7 @@ PyMethodDef kRawMethods[] = {
     {"logits", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_logits)), METH_FASTCALL,
      "logits(actor capsule, values [in]) -> padded logits [D * width]"},
     {"choose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_choose)), METH_FASTCALL,
-     "choose(actor capsule, history, position, max_new_tokens, batch_size, top_k, num_moe_layers) -> indices"},
+     "choose(actor capsule, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> indices"},
     {"values", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_values)), METH_FASTCALL,
      "values(actor capsule, history, position, ...) -> observation values [in] (observation_values' twin)"},
     {nullptr, nullptr, 0, nullptr}};

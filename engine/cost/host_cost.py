@@ -67,3 +67,30 @@ def fit_host_cost(verified: Sequence[int], seconds: Sequence[float], plain: Sequ
     if not tree.any():
         per_round, per_node = single, 0.0
     return HostCost(single=single, per_round=per_round, per_node=per_node, plain=float(y[is_plain].mean()))
+
+
+@dataclass(frozen=True)
+class ProbeCost:
+    """Seconds of a drafter's probe before a choice (NGramDrafter.probe: a suffix scan of the context), linear in the
+    context length."""
+
+    fixed: float
+    per_token: float
+
+    def seconds(self, context_len: int) -> float:
+        return self.fixed + self.per_token * max(int(context_len), 0)
+
+
+def fit_probe_cost(context: Sequence[int], seconds: Sequence[float]) -> ProbeCost | None:
+    """Fit ProbeCost to timed probes (context [S] tokens, seconds [S]; constants >= 0); None without any."""
+    x = np.asarray(context, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if len(x) != len(y):
+        raise ValueError(f"context and seconds differ in length ({len(x)}, {len(y)})")
+    if not len(y):
+        return None
+    if not np.all(np.isfinite(y)) or (y < 0).any():
+        raise ValueError("probe seconds must be finite and >= 0")
+    X = np.stack([np.ones(len(x)), x], axis=1)  # [S, 2]
+    c = nonnegative_lstsq(X, y, identifiable_columns(X))
+    return ProbeCost(fixed=c.get(0, 0.0), per_token=c.get(1, 0.0))

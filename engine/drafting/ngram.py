@@ -37,6 +37,7 @@ class NGramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+        self._probed: dict[int, tuple[int, int, int, SuffixMatch]] = {}  # seq -> (len(tokens), depth, width, match)
 
     predicts_experts = False  # no expert predictor: λ > 0 is refused by the engine
 
@@ -47,17 +48,55 @@ class NGramDrafter:
         return [self.draft(*req) for req in requests]
 
     def start(self, seq_id: int, tokens: list[int], target_hidden: torch.Tensor | None = None) -> None:
-        pass
+        self._probed.pop(seq_id, None)
 
     def finish(self, seq_id: int) -> None:
-        pass
+        self._probed.pop(seq_id, None)
 
     def commit(self, seq_id, tokens, tree, accepted, target_hidden=None) -> None:
-        pass
+        self._probed.pop(seq_id, None)
 
-    def _match(self, tokens: list[int], depth: int, width: int) -> SuffixMatch:
+    def probe(self, seq_id: int, tokens: list[int], depth: int, width: int) -> list[float]:
+        """This round's draft confidence per depth (`DraftTree.confidence` of a depth-`depth`, width-`width` draft
+        under rule "all"), before the controller chooses the round's action: what a policy observes as
+        `confidence_now` (engine.runtime.observation). The lookup's match is kept for this sequence's next `draft`
+        of at most that depth and width, which then takes its continuations instead of matching again, so a
+        drafted round pays for the probe once (the same continuations: `suffix_match` of a narrower width keeps the
+        wider one's first continuations, and a shallower draft cuts them)."""
+        if depth <= 0 or width <= 0:
+            self._probed.pop(seq_id, None)
+            return []
+        match = suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
+        self._probed[seq_id] = (len(tokens), depth, width, match)
+        best = self._grow(tokens, match, SpecConfig(depth=depth, width=width))[4]
+        return [float(np.float32(best[d])) for d in range(1, len(best) + 1)]
+
+    def _match(self, seq_id: int, tokens: list[int], depth: int, width: int) -> SuffixMatch:
+        probed = self._probed.pop(seq_id, None)
+        if probed is not None and probed[0] == len(tokens) and depth <= probed[1] and width <= probed[2]:
+            m = probed[3]  # the probe's match, narrowed and cut (`probe`)
+            return SuffixMatch([c[:depth] for c in m.continuations[:width]], m.ngram, m.followers)
         # chosen as for the deepest draft, then cut: a depth-K tree is the depth-K prefix of any deeper one
         return suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
+
+    def _grow(self, tokens: list[int], match: SuffixMatch, spec: SpecConfig):
+        """The lookup tree of `match` within the node budget: (tokens, parents, depths, path scores, {depth: the
+        largest conditional score at that depth})."""
+        budget = _node_budget(spec)
+        tok, par, dep, pp = [tokens[-1]], [-1], [0], [1.0]
+        best: dict[int, float] = {}  # depth -> largest conditional score
+        for cont, cond in zip(match.continuations, self.scores(match)):
+            parent = 0
+            for d, (t, c) in enumerate(zip(cont, cond), start=1):
+                if len(tok) - 1 >= budget:
+                    break
+                tok.append(t)
+                par.append(parent)
+                dep.append(d)
+                pp.append(pp[parent] * c)
+                best[d] = max(best.get(d, 0.0), c)
+                parent = len(tok) - 1
+        return tok, par, dep, pp, best
 
     def scores(self, match: SuffixMatch) -> list[list[float]]:
         """Per continuation, the conditional score of each of its tokens (module docstring of `draft`)."""
@@ -95,21 +134,7 @@ class NGramDrafter:
         generator: torch.Generator,
     ) -> DraftTree:
         t0 = time.perf_counter()
-        match = self._match(tokens, spec.depth, spec.width)
-        budget = _node_budget(spec)
-        tok, par, dep, pp = [tokens[-1]], [-1], [0], [1.0]
-        best: dict[int, float] = {}  # depth -> largest conditional score
-        for cont, cond in zip(match.continuations, self.scores(match)):
-            parent = 0
-            for d, (t, c) in enumerate(zip(cont, cond), start=1):
-                if len(tok) - 1 >= budget:
-                    break
-                tok.append(t)
-                par.append(parent)
-                dep.append(d)
-                pp.append(pp[parent] * c)
-                best[d] = max(best.get(d, 0.0), c)
-                parent = len(tok) - 1
+        tok, par, dep, pp, best = self._grow(tokens, self._match(seq_id, tokens, spec.depth, spec.width), spec)
         confidence = [float(np.float32(best[d])) for d in range(1, max(dep) + 1)] if len(tok) > 1 else []
         if spec.verify_rule in ("threshold", "calibrated") and len(tok) > 1:
             tok, par, dep, pp, confidence = self._rule(tokens, spec, tok, par, dep, pp)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -361,13 +361,17 @@ class Engine:
         actions: list[SpecConfig],
         started: float | None = None,
         choosing: float = 0.0,
+        probing: Mapping[int, float] | None = None,
     ) -> None:
         """One round for every request in `active` with its validated action (SpecConfig).
 
         started: perf_counter() when the caller's step began (Session.step: before the actions were chosen and
         checked), `choosing` the seconds of that spent choosing them; the step's host work (RoundStats.host_seconds)
-        is the wall time since then minus choosing, drafting and the target's forward."""
+        is the wall time since then minus choosing, drafting and the target's forward. `probing`: request id -> the
+        seconds its drafter's probe took before the choice (Session.probe; RoundStats.probe_seconds, a part of
+        round_seconds, not of host work)."""
         started = time.perf_counter() if started is None else started
+        probing = probing or {}
         self.target.set_backend(self.backend)
         timer = PhaseTimer() if self.timing else None
         trees: list[DraftTree] = []
@@ -439,10 +443,12 @@ class Engine:
             off += n
         if self.check_kv:
             check_kv_invariant(self.target, kv, active)
-        host = max(0.0, time.perf_counter() - started - choosing - draft_wall - forward_seconds)
+        probe_wall = sum(probing.values())
+        host = max(0.0, time.perf_counter() - started - choosing - probe_wall - draft_wall - forward_seconds)
         for r, stats in done:  # the whole step's host work, as its forward is the whole batch's (RoundStats)
             stats.host_seconds = host
-            stats.round_seconds = forward_seconds + stats.time["draft"] + host
+            stats.probe_seconds = probing.get(r.index, 0.0)
+            stats.round_seconds = forward_seconds + stats.time["draft"] + stats.probe_seconds + host
             if self.round_cost is not None:
                 stats.cost, stats.cost_ar = self.round_cost(stats)
             r.rounds.append(stats)
@@ -478,8 +484,9 @@ class Engine:
         return len(tokens)
 
     # ------------------------------------------------------------------ policy interface
-    def observe_request(self, req: _Request, batch_size: int = 1) -> Observation:
-        """The Observation a policy sees before `req`'s next round (engine.runtime.observation.observe)."""
+    def observe_request(self, req: _Request, batch_size: int = 1, probe: Sequence[float] = ()) -> Observation:
+        """The Observation a policy sees before `req`'s next round (engine.runtime.observation.observe; `probe`: its
+        `confidence_now`)."""
         top_k, layers = self._obs_model
         return observe_history(
             req.history,
@@ -491,6 +498,7 @@ class Engine:
             top_k=top_k,
             num_moe_layers=layers,
             request_id=req.index,
+            probe=probe,
         )
 
 

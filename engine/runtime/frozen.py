@@ -70,6 +70,9 @@ class FrozenPolicy:
             self._native.observe(KMAX, self.calibration)
         if self.nvec != self.grid.nvec:
             raise ValueError(f"frozen policy: nvec {self.nvec} does not match its action grid {self.grid.nvec}")
+        # trained on this round's probed draft confidence (`confidence_now`): the engine probes (depth, width) first
+        probe = card.get("probe")
+        self.probe: tuple[int, int] | None = (int(probe[0]), int(probe[1])) if probe else None
 
     def act_index(self, vector: np.ndarray | list[float]) -> tuple[int, ...]:
         """Observation vector [OBS_DIM] (or its values, `observation_values`) -> action indices (argmax per
@@ -112,20 +115,23 @@ class FrozenPolicy:
         top_k: int,
         num_moe_layers: int,
         calibration: Calibration | None = None,
+        probe: list[float] | tuple[float, ...] = (),
     ) -> SpecConfig:
         """The action before a request's next round, from its running History (what the engine's session calls):
         `act_vector(observation_values(h, ...))`, the calibrated block from `self.calibration`, else from
         `calibration` (the engine's). With the C++ actor and the policy's own map (or none at all) one call computes
-        the values and the decision (kernels.tanh_mlp `choose`, equal values: tested)."""
+        the values and the decision (kernels.tanh_mlp `choose`, equal values: tested). `probe`: this round's draft
+        confidence per depth (`confidence_now`; the engine's Session.probe when the policy has `probe`)."""
         own = self.calibration
         if self._native is not None and (own is not None or calibration is None):
             try:
-                return self._spec(self._native.choose(h, position, max_new_tokens, batch_size, top_k, num_moe_layers))
+                return self._spec(self._native.choose(h, position, max_new_tokens, batch_size, top_k, num_moe_layers,
+                                                      probe))  # fmt: skip
             except (TypeError, ValueError, OverflowError):  # a History the C++ reader does not take: the Python twin
                 pass
         v = observation_values(h, position=position, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                calibration=own if own is not None else calibration, top_k=top_k,
-                               num_moe_layers=num_moe_layers)  # fmt: skip
+                               num_moe_layers=num_moe_layers, probe=probe)  # fmt: skip
         return self.act_vector(v)
 
     def _spec(self, idx: tuple[int, ...]) -> SpecConfig:

@@ -24,6 +24,13 @@ Vector layout (`Observation.vector()`, float32, Kmax = `KMAX`; all entries bound
     3K+11             log2(batch_size) / 8      requests in the batch this request is verified with
     3K+12             depth_last / KMAX         depth actually built last round
     3K+13             first_round               1 before the first round, else 0
+    3K+14 .. 4K+13    confidence_now[d]         this round's draft confidence per depth, probed before the choice
+                                                (0 = not probed: a drafter without `probe`, or none asked for)
+
+`confidence_now` is DESIGN.md §3's "draft confidence of this round": a drafter whose proposals cost next to nothing
+(the prompt lookup, `NGramDrafter.probe`) drafts the round's widest, deepest tree of the policy's grid before the
+policy chooses, and the round then drafts from that probe (the lookup keeps its match), so a round pays for it once;
+a round that then drafts nothing still pays the probe (the trace's `probe_seconds`, env.replay).
 
 `OBS_SIGNATURE` names this layout; a frozen policy stores it and refuses another layout.
 """
@@ -48,6 +55,7 @@ OBS_FIELDS = (
     + [f"confidence_cal_last_{d}" for d in range(1, KMAX + 1)]
     + ["footprint_frac", "new_pairs_per_node", "overlap_prev", "rank_imbalance", "cross_node_ratio"]
     + ["utility_last", "utility_ema", "cost_ratio_last", "position_frac", "batch_size", "depth_last", "first_round"]
+    + [f"confidence_now_{d}" for d in range(1, KMAX + 1)]
 )
 OBS_DIM = len(OBS_FIELDS)
 OBS_SIGNATURE = "expertspec-obs-v1:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
@@ -86,6 +94,7 @@ class Observation:
     request_id: int = -1  # the request this observation is about (stateful policies key their state on it)
     top_k: int = 0  # routing top-r of the target (0 = dense / unknown)
     num_moe_layers: int = 0
+    confidence_now: tuple[float, ...] = (0.0,) * KMAX  # [KMAX] this round's probed draft confidence (0: none)
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -113,6 +122,7 @@ class Observation:
             math.log2(max(self.batch_size, 1)) / 8.0,
             self.depth_last / KMAX,
             1.0 if self.round_index == 0 else 0.0,
+            *self.confidence_now,
         ]
         x = np.asarray(v, dtype=np.float32)
         return np.minimum(np.maximum(x, 0.0, out=x), 1.0, out=x)  # np.clip, without its ~2 µs wrapper
@@ -172,6 +182,7 @@ def observation_values(
     calibration: Calibration | None = None,
     top_k: int = 0,
     num_moe_layers: int = 0,
+    probe: Sequence[float] = (),
 ) -> np.ndarray:
     """The OBS_DIM values of `observe_history(h, ...).vector()` as a list of floats straight from the History,
     before its float32 rounding and [0, 1] clip (`as_vector`), without building the Observation or calling numpy: a
@@ -211,6 +222,8 @@ def observation_values(
     v.append(math.log2(max(batch_size, 1)) / 8.0)
     v.append(depth / KMAX)
     v.append(1.0 if h.rounds == 0 else 0.0)
+    v += [float(c) for c in probe[:KMAX]]
+    v += _ZEROS_2K[: KMAX - min(len(probe), KMAX)]
     return v
 
 
@@ -252,8 +265,10 @@ def observe_history(
     top_k: int = 0,
     num_moe_layers: int = 0,
     request_id: int = -1,
+    probe: Sequence[float] = (),
 ) -> Observation:
-    """`observe` from a running History (same result as folding its rounds again)."""
+    """`observe` from a running History (same result as folding its rounds again). `probe`: this round's draft
+    confidence per depth (`confidence_now`; empty: not probed)."""
     common = dict(
         acceptance_ema=tuple(h.acc),
         attempts_by_depth=tuple(h.tries),
@@ -267,6 +282,7 @@ def observe_history(
         request_id=request_id,
         top_k=top_k,
         num_moe_layers=num_moe_layers,
+        confidence_now=_pad(probe),
     )
     if h.last is None:
         return Observation(**common)

@@ -9,8 +9,12 @@ A policy may also offer `act_vector(values) -> action`, taking the observation v
 which is what the session passes: `observation_values`, computed straight from the request's history without
 building the Observation or calling numpy, its calibrated block from the policy's `calibration` attribute when that
 is not None, else from the engine's. A policy may instead offer `act_history(history, *, position, max_new_tokens,
-batch_size, top_k, num_moe_layers, calibration) -> action`, computing the values itself (the session then calls it,
-`calibration` the engine's): the frozen learned policy (`engine.runtime.frozen`) does, in one C++ call.
+batch_size, top_k, num_moe_layers, calibration, probe) -> action`, computing the values itself (the session then calls
+it, `calibration` the engine's): the frozen learned policy (`engine.runtime.frozen`) does, in one C++ call.
+
+A policy with a `probe` attribute (depth, width) observes this round's draft before choosing: the session first asks
+the drafter's `probe` for the draft confidence per depth of a tree of that shape (`Session.probe`; drafters without
+one give none) and passes it as the observation's `confidence_now` (`probe=` of the calls above).
 """
 
 from __future__ import annotations

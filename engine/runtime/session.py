@@ -13,7 +13,8 @@ on the other requests in the batch.
 
 Actions: None -> the session's `spec` (or its `policy`, consulted per request with the request's
 Observation, with its observation vector when the policy has `act_vector`, or with its History when it has
-`act_history`: `engine.runtime.policy`); a
+`act_history`: `engine.runtime.policy`; a policy with a `probe` (depth, width) first gets this round's draft
+confidence per depth from a drafter that has `probe`, as its observation's `confidence_now`); a
 list with one action per active request; or a dict {request id: action}, which steps only the requests it
 names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)).
 Every action is validated before any work of the step, so a bad action leaves the session
@@ -89,6 +90,7 @@ class Session:
         self.closed = False
         self.kv = kv  # the engine's PagedKVCache, sized by Engine.start
         self._policy_seconds: dict[int, float] = {}  # request id -> choosing its action this step
+        self._probe_seconds: dict[int, float] = {}  # request id -> the drafter's probe before that choice
 
     # ------------------------------------------------------------------ membership
     @property
@@ -152,10 +154,26 @@ class Session:
         return [r.index for r in new]
 
     # ------------------------------------------------------------------ stepping
-    def observation(self, request_id: int) -> Observation:
-        """The Observation a policy gets before the next round of request `request_id`."""
+    def observation(self, request_id: int, probe: Sequence[float] = ()) -> Observation:
+        """The Observation a policy gets before the next round of request `request_id` (`probe`: its
+        `confidence_now`, from `probe`)."""
         r = self.requests[request_id]
-        return self.engine.observe_request(r, batch_size=len(self._active))
+        return self.engine.observe_request(r, batch_size=len(self._active), probe=probe)
+
+    def probe(self, request_id: int, depth: int, width: int) -> list[float]:
+        """This round's draft confidence per depth of request `request_id` from the drafter's `probe` (a tree of at
+        most `depth` — and never past the request's token budget, as drafting — and `width`), before its action is
+        chosen; [] when the drafter has none or nothing can be drafted. Timed into the round's
+        `RoundStats.probe_seconds`; the drafter keeps what it found for this round's draft (NGramDrafter.probe)."""
+        r = self.requests[request_id]
+        fn = getattr(self.engine.drafter, "probe", None)
+        depth = min(int(depth), r.max_new - len(r.new_tokens) - 1)
+        if fn is None or depth <= 0 or width <= 0:
+            return []
+        t0 = time.perf_counter()
+        out = fn(r.index, r.tokens, depth, int(width))
+        self._probe_seconds[r.index] = self._probe_seconds.get(r.index, 0.0) + time.perf_counter() - t0
+        return out
 
     def _choose(self, r: Any) -> Any:
         """The policy's action for request `r`'s next round; a policy with `act_history` gets the request's History,
@@ -163,18 +181,20 @@ class Session:
         policy's own map, if it has one)."""
         eng = self.engine
         top_k, layers = eng._obs_model
+        shape = getattr(self.policy, "probe", None)
+        probe = self.probe(r.index, *shape) if shape else []
         act_history = getattr(self.policy, "act_history", None)
         if act_history is not None:  # the frozen policy: values and decision in one native call where it can
             return act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
                                batch_size=len(self._active), top_k=top_k, num_moe_layers=layers,
-                               calibration=eng.calibration)  # fmt: skip
+                               calibration=eng.calibration, probe=probe)  # fmt: skip
         act_vector = getattr(self.policy, "act_vector", None)
         if act_vector is None:
-            return self.policy(self.observation(r.index))
+            return self.policy(self.observation(r.index, probe))
         cal = getattr(self.policy, "calibration", None)
         v = observation_values(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
                                batch_size=len(self._active), calibration=eng.calibration if cal is None else cal,
-                               top_k=top_k, num_moe_layers=layers)  # fmt: skip
+                               top_k=top_k, num_moe_layers=layers, probe=probe)  # fmt: skip
         return act_vector(v)
 
     def check_action(self, action: Any) -> SpecConfig:
@@ -190,10 +210,10 @@ class Session:
             if self.policy is None or self.engine.drafter is None:
                 return active, [self.spec or NO_SPEC] * len(active)
             specs = []
-            for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds
+            for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds (the probe apart)
                 t0 = time.perf_counter()
                 specs.append(self.check_action(self._choose(r)))
-                self._policy_seconds[r.index] = time.perf_counter() - t0
+                self._policy_seconds[r.index] = time.perf_counter() - t0 - self._probe_seconds.get(r.index, 0.0)
             return active, specs
         if isinstance(actions, Mapping):
             ids = set(self.active)
@@ -225,10 +245,13 @@ class Session:
             return []
         started = time.perf_counter()  # the step's host work counts from here (RoundStats.host_seconds)
         self._policy_seconds.clear()
+        # probes made since the last step (`probe`, or the policy's choice below) belong to this step's rounds
         active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
         saved = [_Saved.of(r) for r in active]
+        probing = {r.index: self._probe_seconds.pop(r.index) for r in active if r.index in self._probe_seconds}
         try:
-            self.engine._step(active, self.kv, specs, started=started, choosing=sum(self._policy_seconds.values()))
+            self.engine._step(active, self.kv, specs, started=started, choosing=sum(self._policy_seconds.values()),
+                              probing=probing)  # fmt: skip
         except Exception as err:
             self._roll_back(active, saved, err)
             raise

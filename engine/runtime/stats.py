@@ -46,7 +46,8 @@ class RoundStats:
     cross_node_ratio: float | None = None
     time: dict[str, float] = field(default_factory=dict)  # draft, forward, sampling (verification and commit after the
     # forward, a part of host_seconds) (+ attention, router, ... when timed)
-    round_seconds: float = 0.0  # measured cost of the round: forward + this request's drafting + host_seconds
+    round_seconds: float = 0.0  # measured cost of the round: forward + this request's drafting + probe + host_seconds
+    probe_seconds: float = 0.0  # the drafter's probe before the choice (Session.probe; 0: none)
     host_seconds: float = 0.0  # the step's host work: its wall time from the session's step call on (Session.step;
     # Engine._step when called alone) but the actions' choice, the drafting and the target's forward — tree packing,
     # acceptance, KV commit / rollback, the drafter's state update, bookkeeping (T_book of DESIGN §3)

@@ -137,6 +137,42 @@ def test_main_job_with_the_prompt_lookup_drafter(tmp_path):
     assert live and all(r["committed_per_cost"] == r["replay_committed_per_cost"] for r in live)  # live == replay
     report = (run / "report.md").read_text()
     assert "drafter prompt lookup (n-gram, model-free)" in report and "host-side prompt lookup" in report
+    _probe_policy_deploys_exactly(run, tmp_path)
+
+
+def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
+    """The lookup job's learned policy observes the probe (`confidence_now`): deployed in the engine, the session
+    probes the tree its card names before every choice, the probe equals the trace's recorded confidence at that
+    position (what replay observed), the session's one native call decides as `act` on the Observation, and greedy
+    output equals target-only output."""
+    from env.models import load_models
+    from env.trace import load_trace
+
+    path = next((run / "policies" / "measured-cpu" / "aggrevate").glob("seed*"))
+    policy = load_frozen_policy(path)
+    assert policy.probe == (4, 2)  # the smoke grid's Kmax and widest W
+    trace = load_trace(next((tmp_path / "cache" / "traces").glob("code-*.npz")))
+    target, drafter, _ = load_models("tiny-moe", "ngram", None)
+    eng = engine.Engine(target, drafter=drafter, calibration=policy.calibration, acceptance=policy.acceptance)
+    req = trace.num_requests - 1  # a held-out request
+    prompt, n_new = trace.prompt(req).tolist(), len(trace.continuation_of(req))
+    sess = eng.start([prompt], n_new, policy=policy)
+    probes = 0
+    while not sess.done:
+        r = sess.requests[0]
+        t = len(r.new_tokens)
+        probe = sess.probe(0, *policy.probe)
+        p = trace.positions_of(req).start + t
+        want = trace.confidence[p, trace.widths.index(2), : policy.probe[0]]
+        assert np.array_equal(np.float32(probe + [0.0] * (len(want) - len(probe))), want), t
+        probes += bool(probe)
+        assert sess._choose(r) == policy.act(sess.observation(0, probe))
+        sess.step()
+        assert sess.requests[0].rounds[-1].probe_seconds > 0 or t >= n_new - 2
+    out = sess.results()[0].token_ids
+    sess.close()
+    assert probes > 0 and out == trace.continuation_of(req).tolist()
+    assert eng.generate([prompt], n_new, policy=policy)[0].token_ids == out
 
 
 @pytest.fixture(scope="module")

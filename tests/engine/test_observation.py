@@ -45,6 +45,14 @@ def _round(rng: np.random.Generator, i: int) -> RoundStats:
 CAL = IsotonicCalibration(((0.0, 0.5, 1.0),) * 3, ((0.1, 0.4, 1.3),) * 3)  # ends outside [0, 1]: clipped
 
 
+def _probe(rng: np.random.Generator) -> list[float]:
+    """A probe's confidence per depth: none, shorter than KMAX, deeper than KMAX (the first KMAX kept), numpy
+    float32 scalars as the lookup gives, values outside [0, 1] (clipped)."""
+    n = int(rng.choice([0, 3, KMAX, KMAX + 2]))
+    raw = rng.normal(0.5, 0.5, n)
+    return list(raw.astype(np.float32)) if rng.random() < 0.5 else [float(x) for x in raw]
+
+
 @pytest.mark.parametrize("calibration", [None, CAL, lambda c, d: 2 * c - 0.2 * d])
 def test_observation_vector_equals_the_observation_s(calibration):
     rng = np.random.default_rng(0)
@@ -54,9 +62,12 @@ def test_observation_vector_equals_the_observation_s(calibration):
             h.add(_round(rng, i))
         ctx = dict(position=int(rng.integers(0, 300)), max_new_tokens=int(rng.integers(0, 256)),
                    batch_size=int(rng.integers(0, 600)), calibration=calibration,
-                   top_k=int(rng.choice([0, 2, 8])), num_moe_layers=int(rng.integers(0, 5)))  # fmt: skip
+                   top_k=int(rng.choice([0, 2, 8])), num_moe_layers=int(rng.integers(0, 5)),
+                   probe=_probe(rng))  # fmt: skip
         v = observation_vector(h, **ctx)
         ref = observe_history(h, prompt_len=7, request_id=3, **ctx).vector()
+        n = min(len(ctx["probe"]), KMAX)
+        assert np.array_equal(v[-KMAX:][:n], np.clip(np.float32(ctx["probe"][:n]), 0, 1)) and not v[-KMAX:][n:].any()
         assert v.dtype == np.float32 and v.shape == (OBS_DIM,)
         assert np.array_equal(v, ref), (trial, np.flatnonzero(v != ref))
 
@@ -84,10 +95,14 @@ def test_the_native_choice_reads_the_same_values(calibration):
         ctx = (int(rng.integers(0, 300)), int(rng.integers(0, 256)), int(rng.integers(0, 600)),
                int(rng.choice([0, 2, 8])), int(rng.integers(0, 5)))  # fmt: skip
         keys = ("position", "max_new_tokens", "batch_size", "top_k", "num_moe_layers")
-        ref = observation_values(h, calibration=calibration, **dict(zip(keys, ctx)))
-        got = actor.values(h, *ctx)
+        probe = _probe(rng)
+        ref = observation_values(h, calibration=calibration, probe=probe, **dict(zip(keys, ctx)))
+        got = actor.values(h, *ctx, probe) if probe or rng.random() < 0.5 else actor.values(h, *ctx)  # 7 args: none
         assert [float(x).hex() for x in got] == [float(x).hex() for x in ref], trial
-        assert actor.choose(h, *ctx) == actor.act(ref)
+        assert actor.choose(h, *ctx, probe) == actor.act(ref)
+    with pytest.raises(TypeError, match="not a sequence"):
+        actor.values(History(), 0, 1, 1, 0, 0, 0.5)
+    assert actor.values(History(), 0, 1, 1, 0, 0, None)[-KMAX:] == [0.0] * KMAX
 
 
 def test_the_native_choice_refuses_a_foreign_layout():

@@ -83,3 +83,50 @@ def test_ngram_drafter_scores_the_match_length_and_the_follower_frequency():
     assert cut.tokens.tolist() == [2, 7, 3] and cut.confidence == pytest.approx([0.25])
     assert suffix_match([1, 2, 3], 2, 1).ngram == 0  # nothing recurs
     assert suffix_continuations(ctx, 0, 2) == suffix_continuations(ctx, 0, 2, select_depth=16) == []
+
+
+def test_ngram_probe_is_the_round_s_confidence_and_the_draft_after_it_is_unchanged():
+    """NGramDrafter.probe(depth, width) = the confidence of that draft (rule "all"); a draft after a probe, of at most
+    its depth and width (any rule), equals the draft without one (it takes the probe's match, narrowed and cut), and
+    the kept match is used once, for that sequence and that context only."""
+    import random
+
+    import torch
+
+    from engine.drafting.acceptance import AcceptanceModel
+    from engine.drafting.ngram import NGramDrafter
+    from engine.spec.calibration import IsotonicCalibration
+    from engine.spec.config import SpecConfig
+    from engine.spec.sampling import SamplingParams
+
+    rng = random.Random(3)
+    fresh, probed = NGramDrafter(vocab_size=16), NGramDrafter(vocab_size=16)
+    acc = AcceptanceModel(tuple(IsotonicCalibration(((0.0, 1.0),), ((p, 1.0),)) for p in (0.1, 0.3, 0.6)))
+    rules = [("all", 0.0), ("threshold", 0.3), ("calibrated", 0.2)]
+
+    def fields(t):
+        return (t.tokens.tolist(), t.parents.tolist(), t.depths.tolist(), t.path_prob.tolist(), list(t.confidence))
+
+    used = 0
+    for trial in range(300):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(2, 50))]
+        K, W = rng.randrange(1, 9), rng.randrange(1, 4)
+        conf = probed.probe(7, tokens, K, W)
+        full = fresh.draft(7, tokens, SpecConfig(depth=K, width=W), SamplingParams(), torch.Generator())
+        assert conf == list(full.confidence), trial
+        k, w = rng.randrange(1, K + 1), rng.randrange(1, W + 1)
+        rule, thr = rules[trial % len(rules)]
+        spec = SpecConfig(depth=k, width=w, verify_rule=rule, verify_threshold=thr,
+                          acceptance=acc if rule == "calibrated" else None)  # fmt: skip
+        other = tokens + [0] if trial % 5 == 0 else tokens  # another context: the probe is not taken
+        want = fresh.draft(7, other, spec, SamplingParams(), torch.Generator())
+        assert 7 in probed._probed
+        used += other is tokens
+        got = probed.draft(7, other, spec, SamplingParams(), torch.Generator())
+        assert fields(got) == fields(want), trial
+        assert 7 not in probed._probed  # used (or dropped) by that draft
+    assert used > 200
+    assert probed.probe(1, [1, 2, 1, 2], 0, 3) == [] and probed.probe(1, [1, 2, 3], 4, 2) == []  # nothing recurs
+    probed.probe(2, [1, 2, 1], 4, 2)
+    probed.commit(2, [1, 2, 1, 2], None, [])
+    assert 2 not in probed._probed  # a commit drops it

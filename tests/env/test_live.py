@@ -171,3 +171,48 @@ def test_replay_equals_live_with_the_prompt_lookup_drafter(ngram_models, ngram_t
         assert accepted > 0
     finally:
         live.close()
+
+
+def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
+    """probe=True: the observation's `confidence_now` (the engine's Session.probe of tree(Kmax, max W) before the
+    choice) is what replay reads from the trace, and a round that then drafts nothing pays the probe's price in both
+    (K = 0 rounds dearer than without the probe, drafted rounds not)."""
+    from engine.runtime.observation import KMAX
+
+    trace = ngram_trace
+    cost = COSTS["roofline-qwen3-30b"]
+    replay = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False, probe=True)
+    plain = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False)
+    live = LiveEnv(models=ngram_models, num_prompts=2, max_new_tokens=TRACE_TOKENS, grid=SMALL_GRID, cost=cost,
+                   workload_name="code", probe=True)  # fmt: skip
+    try:
+        assert replay.probe == live.probe == (8, 3)
+        policies = [("K0", SpecConfig(depth=0)), ("K4 W2", SpecConfig(depth=4, width=2)),
+                    ("K8 W1 threshold", SpecConfig(depth=8, width=1, verify_rule="threshold", verify_threshold=0.1))]
+        for name, action in policies:
+            _same_episodes(replay, live, trace, name, action, tol=(1e-6, 1e-7, 1e-6))
+        probed = 0
+        for req in range(trace.num_requests):
+            obs, _ = replay.reset(options={"request": req})
+            plain.reset(options={"request": req})
+            while True:
+                p, t = replay.current_position, replay.position
+                row = trace.confidence[p, trace.widths.index(3), :KMAX]
+                assert np.array_equal(obs[-KMAX:], np.clip(row, 0, 1)), (req, p)
+                probed += bool(row.any())
+                obs, _, term, trunc, info = replay.step(SpecConfig(depth=0))
+                _, _, _, _, ref = plain.step(SpecConfig(depth=0))
+                if trace.meta["max_new_tokens"] - t - 1 > 0:  # a probe (none where nothing could be drafted)
+                    assert info["cost"] > ref["cost"], (req, p)
+                else:
+                    assert info["cost"] == ref["cost"]
+                assert info["cost_draft"] == pytest.approx(info["cost"] - ref["cost"] + ref["cost_draft"])
+                if term or trunc:
+                    break
+        assert probed > 0
+        drafted = replay.codec.encode((3, 1, 0, 0))  # K = 4, W = 2: the probe's match is its drafting's
+        replay.reset(options={"request": 0})
+        plain.reset(options={"request": 0})
+        assert replay.step(drafted)[4]["cost"] == plain.step(drafted)[4]["cost"]
+    finally:
+        live.close()

@@ -10,6 +10,7 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import env  # noqa: F401  (registers the ids)
+from engine.runtime.observation import OBS_DIM
 from engine.spec.config import SpecConfig
 from env.replay import ReplayEnv
 
@@ -143,12 +144,12 @@ def test_vectorised_envs(greedy_trace):
         obs = venv.reset()
         for _ in range(30):
             obs, rew, done, info = venv.step(np.stack([venv.action_space.sample() for _ in range(2)]))
-            assert obs.shape == (2, 38) and np.all(np.isfinite(rew))
+            assert obs.shape == (2, OBS_DIM) and np.all(np.isfinite(rew))
         venv.close()
     vec = gym.vector.SyncVectorEnv(fns)
     obs, _ = vec.reset(seed=0)
     obs, rew, term, trunc, _ = vec.step(vec.action_space.sample())
-    assert obs.shape == (2, 38)
+    assert obs.shape == (2, OBS_DIM)
     vec.close()
 
 
@@ -172,3 +173,9 @@ def test_fitted_cost_and_synthetic_routing(greedy_trace):
     for e in (fitted, synthetic):
         _rollout(e, 1, episodes=1)
     assert len(synthetic.rounds[-1].distinct_experts) == 94
+
+
+def test_probe_needs_a_drafter_with_one(greedy_trace):
+    """probe=True on a trace whose drafter has no probe (the EAGLE head) is refused before any work."""
+    with pytest.raises(ValueError, match="probe=True needs a drafter with a probe"):
+        ReplayEnv(greedy_trace, grid=SMALL_GRID, probe=True, cache=False)

@@ -15,7 +15,7 @@ from kernels import tanh_mlp
 pytestmark = pytest.mark.skipif(tanh_mlp.load() is None, reason=f"C++ actor {tanh_mlp.status()}")
 
 
-def _random_actor(rng, n_in=38, hidden=(64, 64), nvec=(9, 3, 6)):
+def _random_actor(rng, n_in=46, hidden=(64, 64), nvec=(9, 3, 6)):
     """(lo, hi, layers, dims) shaped like a frozen policy's folded, padded actor."""
     width, sizes = max(nvec), [n_in, *hidden]
     layers = [(rng.normal(0, 0.5, (o, i)), rng.normal(0, 0.1, o)) for i, o in zip(sizes, sizes[1:])]
@@ -41,7 +41,7 @@ def test_equals_its_numpy_twin():
     lo, hi, layers, dims = _random_actor(rng)
     actor = tanh_mlp.actor(lo, hi, layers, dims)
     for i in range(300):  # in [0, 1], outside it (the [0, 1] clip), and float64 values (the float32 rounding)
-        v = rng.random(38) if i % 3 == 0 else rng.normal(0.5, 1.0, 38)
+        v = rng.random(46) if i % 3 == 0 else rng.normal(0.5, 1.0, 46)
         values = v.tolist() if i % 2 else v.astype(np.float32).tolist()
         ref = _twin(lo, hi, layers, values)
         np.testing.assert_allclose(actor.logits(values), ref, rtol=1e-12, atol=1e-12)
