@@ -197,8 +197,7 @@ def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Seque
 
 
 def probes(conf: MainConf, traces: dict[str, Any]) -> bool:
-    """Whether the learned policies observe a probe of each round's draft (conf.algo.probe, and every workload's
-    drafter has one: env.replay's `probe`)."""
+    """Whether learned policies observe each round's probed draft (conf.algo.probe, every drafter has a probe)."""
     from env.costs import drafter_probes
 
     return bool(conf.algo.probe) and all(drafter_probes(t) for t in traces.values())
@@ -393,9 +392,8 @@ def evaluate(
         train_ids, test_ids = split(trace, conf)
         env = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance)
         # the learned policies' env: with the probe they observe (and pay for) when they were trained with one
-        probed = any(fp.probe for fps in frozen.values() for fp in fps)
-        lenv = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=True) if probed \
-            else env  # fmt: skip
+        lenv = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=True) if any(
+            fp.probe for fps in frozen.values() for fp in fps) else env  # fmt: skip
         from env.calibration import acceptance_error, calibration_error
 
         extras["calibration"][name] = calibration_error(trace, calibration, test_ids)
@@ -506,8 +504,8 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     shape = env.probe
     for label, act, probed in actors:
         env.probe = shape if probed else None  # only the policy that observes the probe runs (and pays) it
-        twin = replay if not probed else replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance,
-                                                    probe=True)  # fmt: skip
+        twin = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=True) if probed \
+            else replay  # fmt: skip
         same = summarize(run_requests(twin, list(requests), act, "index")).committed_per_cost
         reqs = []
         for i in local:

@@ -194,8 +194,10 @@ class ReplayEnv(gym.Env):
         plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
         tab = copy.copy(self.tables)
         tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()
-        tab.cost[:, plain] += cost[:, None]
-        tab.draft_cost[:, plain] += cost[:, None]
+        o = tab.outcome[:, plain]  # [P, A0] a K = 0 round's outcome: its verification and host work
+        draft = tab.draft_cost[:, plain] + cost[:, None]  # summed as a live round's RoundCost: (draft + verify) + book
+        tab.draft_cost[:, plain] = draft
+        tab.cost[:, plain] = (draft + tab.o_verify[o]) + tab.o_book[o]
         self.tables = tab
         self._probe_cost = cost.tolist()
 

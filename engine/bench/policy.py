@@ -12,6 +12,9 @@ action check — into `RoundStats.policy_seconds`. Reported per batch size, over
     share          Σ policy_seconds / wall time of the policy's generate calls (what the controller takes)
     × plain step   median per request-round / the median target-only decode step of the same batch size,
                    measured interleaved in the same run (the cheapest round the engine can run)
+    probe µs       for a policy that observes the probe (`FrozenPolicy.probe`): the drafter's probe before the
+                   choice, median per request-round (`RoundStats.probe_seconds`; drafting work the round's draft then
+                   takes over, so not the controller's), and its share of the wall time
 
 and the parts, timed in a loop on one live request: the observation (for the frozen policy its values straight
 from the request's history, calibration included), the policy call (C++ or numpy MLP, argmax, action lookup) and the
@@ -133,6 +136,8 @@ def bench_policy(cfg: BenchConfig, progress=None) -> dict[str, Any]:
             "round_seconds_median": statistics.median(r.round_seconds for r in pol_rounds),
             "plain_step_seconds_median": step, "vs_plain_step": per_round / step,
             "tokens_per_round": sum(r.committed for r in pol_rounds) / len(pol_rounds),
+            "probe_seconds_median": statistics.median(r.probe_seconds for r in pol_rounds),
+            "probe_share_of_wall": sum(r.probe_seconds for r in pol_rounds) / pol_wall,
             "speedup_vs_plain_wall": plain_wall / pol_wall,
         })  # fmt: skip
     return {"policy": path, "algo": policy.card.get("algo"), "workloads": list(c.workloads),
@@ -145,10 +150,11 @@ def print_policy(res: dict) -> None:
     print(f"{res['prompts_per_workload']} prompts × {res['new_tokens']} tokens of {', '.join(res['workloads'])}; "
           f"{res['threads']} thread(s); share = Σ policy time / wall time of the policy's runs")  # fmt: skip
     print(f"{'batch':>5} {'rounds':>7} {'policy µs':>9} {'p90 µs':>7} {'share':>7} {'round ms':>8} "
-          f"{'plain step ms':>13} {'× plain step':>12}")  # fmt: skip
+          f"{'plain step ms':>13} {'× plain step':>12} {'probe µs':>8} {'probe share':>11}")  # fmt: skip
     for r in res["rows"]:
         print(f"{r['batch']:>5} {r['request_rounds']:>7} {r['policy_seconds_median'] * 1e6:>9.1f} "
               f"{r['policy_seconds_p90'] * 1e6:>7.1f} {r['share_of_wall']:>7.2%} "
               f"{r['round_seconds_median'] * 1e3:>8.2f} {r['plain_step_seconds_median'] * 1e3:>13.2f} "
-              f"{r['vs_plain_step']:>12.2%}")  # fmt: skip
+              f"{r['vs_plain_step']:>12.2%} {r['probe_seconds_median'] * 1e6:>8.1f} "
+              f"{r['probe_share_of_wall']:>11.2%}")  # fmt: skip
     print("parts (µs, timed in a loop): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in res["parts"].items()))
