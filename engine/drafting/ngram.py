@@ -7,7 +7,7 @@ import time
 import numpy as np
 import torch
 
-from engine.drafting.protocol import DraftRequest
+from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import select_verified
 from engine.drafting.suffix import SuffixMatch, suffix_match
 from engine.drafting.tree_growth import _node_budget, kept_by_score, stored_cond
@@ -68,8 +68,20 @@ class NGramDrafter:
             return []
         match = suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
         self._probed[seq_id] = (len(tokens), depth, width, match)
-        best = self._grow(tokens, match, SpecConfig(depth=depth, width=width))[4]
-        return [float(np.float32(best[d])) for d in range(1, len(best) + 1)]
+        # the growth confidence `_grow` would give, without growing: depth 1 the best first-token score of the
+        # continuations the node budget reaches, depth d > 1 the suffix score every continuation has there
+        left, reach, first = MAX_TREE_NODES, 0, 0.0
+        total = sum(match.followers.values())
+        for cont in match.continuations:
+            k = min(len(cont), left)
+            if k <= 0:
+                break
+            left, reach = left - k, max(reach, k)
+            first = max(first, match.ngram / self.max_ngram * match.followers.get(cont[0], 0) / total)
+        if reach == 0:
+            return []
+        conf = [first] + [min(self.max_ngram, match.ngram + d) / self.max_ngram for d in range(1, reach)]
+        return np.asarray(conf, dtype=np.float32).tolist()
 
     def _match(self, seq_id: int, tokens: list[int], depth: int, width: int) -> SuffixMatch:
         probed = self._probed.pop(seq_id, None)

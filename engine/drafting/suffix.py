@@ -32,12 +32,17 @@ def suffix_match(
         return SuffixMatch([], 0, {})
     cap = depth if select_depth is None else max(select_depth, depth)
     T = len(tokens)
+    if T < 2:
+        return SuffixMatch([], 0, {})
+    last = tokens[-1]
+    ends = [e for e in range(T - 2, -1, -1) if tokens[e] == last]  # earlier occurrences of the last token, latest first
     for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
         suffix = tokens[T - n :]
         best: dict[int, list[int]] = {}
         followers: dict[int, int] = {}
-        for start in range(T - n - 1, -1, -1):  # most recent earlier match first
-            if tokens[start : start + n] == suffix:
+        for e in ends:  # most recent earlier match first: the n-gram tokens[start : e + 1], its continuation after it
+            start = e - n + 1
+            if start >= 0 and tokens[start : e + 1] == suffix:
                 cont = tokens[start + n : start + n + cap]
                 followers[cont[0]] = followers.get(cont[0], 0) + 1
                 if len(cont) > len(best.get(cont[0], [])):

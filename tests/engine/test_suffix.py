@@ -130,3 +130,38 @@ def test_ngram_probe_is_the_round_s_confidence_and_the_draft_after_it_is_unchang
     probed.probe(2, [1, 2, 1], 4, 2)
     probed.commit(2, [1, 2, 1, 2], None, [])
     assert 2 not in probed._probed  # a commit drops it
+
+
+def _reference_match(tokens, depth, width, max_ngram=4, min_ngram=1, select_depth=None):
+    """suffix_match as first written: every earlier start scanned, most recent first."""
+    from engine.drafting.suffix import SuffixMatch
+
+    if depth <= 0:
+        return SuffixMatch([], 0, {})
+    cap = depth if select_depth is None else max(select_depth, depth)
+    T = len(tokens)
+    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
+        suffix = tokens[T - n :]
+        best, followers = {}, {}
+        for start in range(T - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                cont = tokens[start + n : start + n + cap]
+                followers[cont[0]] = followers.get(cont[0], 0) + 1
+                if len(cont) > len(best.get(cont[0], [])):
+                    if cont[0] not in best and len(best) == width:
+                        continue
+                    best[cont[0]] = cont
+        if best:
+            return SuffixMatch([c[:depth] for c in best.values()], n, followers)
+    return SuffixMatch([], 0, {})
+
+
+def test_suffix_match_scans_only_the_last_token_s_occurrences_with_the_same_result():
+    from engine.drafting.suffix import suffix_match
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.choice([2, 4, 9])) for _ in range(rng.randrange(0, 60))]
+        args = (rng.randrange(0, 9), rng.randrange(1, 4), rng.randrange(1, 5))
+        kw = dict(min_ngram=rng.randrange(1, args[2] + 1), select_depth=rng.choice([None, 8, 16]))
+        assert suffix_match(tokens, *args, **kw) == _reference_match(tokens, *args, **kw), (tokens, args, kw)
