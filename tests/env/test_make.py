@@ -87,3 +87,18 @@ def test_torchrun_sharded_recording(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env_vars, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert load_trace(out).num_requests == 3
+
+
+@pytest.mark.parametrize("name", ["replay", "live"])
+def test_env_config_mirrors_every_constructor_argument(name):
+    """conf/env/<name>.yaml names every constructor argument of its env, and nothing else (README, Environments)."""
+    import inspect
+
+    import yaml
+
+    from env.replay import ReplayEnv
+
+    cls = {"replay": ReplayEnv, "live": LiveEnv}[name]
+    conf = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "env" / f"{name}.yaml").read_text())
+    params = set(inspect.signature(cls.__init__).parameters) - {"self", "models", "prompts"}  # objects, not config
+    assert set(conf) - {"_target_"} == params
