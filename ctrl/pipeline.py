@@ -463,7 +463,7 @@ def evaluate(
                 extras["ablation"].setdefault(learner, {})[name] = ablation(fenv, test_ids, fps, grid, best_train[0])
         if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
             rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
-                              next(iter(frozen.values()), [])[:1], env, calibration, acceptance)  # fmt: skip
+                              next(iter(frozen.values()), [])[:1], env, calibration, acceptance, lenv)  # fmt: skip
         for pol_name, reqs in runs.items():
             if pol_name in (*frozen, "static-best-train", "cascade", "evict", "oracle", "target-only"):
                 plot[pol_name] = per_policy_plot_data(reqs)
@@ -476,10 +476,11 @@ _MODELS: dict[tuple, Any] = {}
 
 def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, grid: ActionGrid,
               requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any,
-              calibration: Any = None, acceptance: Any = None) -> list[dict]:  # fmt: skip
+              calibration: Any = None, acceptance: Any = None, probe_replay: Any = None) -> list[dict]:  # fmt: skip
     """The same held-out requests on the live engine (expertspec/Live-v0): target-only, static-best-train and
     the first learned seed, each with `replay_committed_per_cost`, replay's figure on the same requests (equal
-    under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says)."""
+    under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says);
+    `probe_replay`: the replay env with the probe, where a learned policy that observes it runs."""
     from env.live import LiveEnv
     from env.models import load_models
 
@@ -504,8 +505,7 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
     shape = env.probe
     for label, act, probed in actors:
         env.probe = shape if probed else None  # only the policy that observes the probe runs (and pays) it
-        twin = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=True) if probed \
-            else replay  # fmt: skip
+        twin = probe_replay if probed else replay  # the replay env it ran in (with the probe it pays)
         same = summarize(run_requests(twin, list(requests), act, "index")).committed_per_cost
         reqs = []
         for i in local:

@@ -161,18 +161,14 @@ class FittedCostModel(CostModel):
         samples = []
         offsets = a["cal_target_offsets"]
         node_offsets = a["node_offsets"]
-        cont_offsets = a["cont_offsets"]
-        prompt_offsets = a["prompt_offsets"]
+        _, contexts = trace.position_steps()
         for s, p in enumerate(a["cal_target_position"]):
             nodes = a["cal_target_nodes"][offsets[s] : offsets[s + 1]].astype(np.int64)
             routing = a["node_routing"][node_offsets[p] + nodes]  # [n, L, r]
-            req = int(np.searchsorted(cont_offsets, p, side="right") - 1)
-            t = int(p - cont_offsets[req])
-            context = int(prompt_offsets[req + 1] - prompt_offsets[req]) + t - 1
             samples.append(
                 CostSample(
                     [torch.from_numpy(routing[:, l].astype(np.int64)) for l in range(routing.shape[1])],
-                    context,
+                    int(contexts[p]),
                     float(a["cal_target_seconds"][s]),
                 )
             )
@@ -197,10 +193,7 @@ class FittedCostModel(CostModel):
                    seconds[drafted].tolist(), [DRAFT_RULES[i] for i in a["cal_live_rule"][drafted]])  # fmt: skip
         drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
         probed = a["probe_seconds"] > 0  # the drafter's probe at every position it could draft (none: no probe)
-        pos = np.flatnonzero(probed)
-        req = np.searchsorted(cont_offsets, pos, side="right") - 1
-        context = (prompt_offsets[req + 1] - prompt_offsets[req]) + (pos - cont_offsets[req]) - 1
-        probe = fit_probe_cost(context, a["probe_seconds"][pos])
+        probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step, probe)
 
 

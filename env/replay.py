@@ -184,13 +184,9 @@ class ReplayEnv(gym.Env):
         self.probe = (K, W)
         rows = trace.confidence[:, trace.widths.index(W), :K]  # [P, K]: tree(Kmax, W) cut to the grid's K
         self._probe_rows = [r.tolist() for r in rows]
-        a = trace.arrays
-        P = len(rows)
-        req = np.searchsorted(a["cont_offsets"], np.arange(P), side="right") - 1
-        t = np.arange(P) - a["cont_offsets"][req]
+        t, _ = trace.position_steps()
         depth = np.minimum(K, trace.meta["max_new_tokens"] - t - 1)  # as the engine (and the recorder) caps it
-        context = (a["prompt_offsets"][req + 1] - a["prompt_offsets"][req]) + t - 1
-        cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(context, depth)])
+        cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(self.tables.context, depth)])
         plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
         tab = copy.copy(self.tables)
         tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()

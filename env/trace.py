@@ -166,6 +166,15 @@ class Trace:
         o = self.arrays["cont_offsets"]
         return range(int(o[i]), int(o[i + 1]))
 
+    def position_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per global position p [P]: t, its index in its request's continuation, and the tokens in the target's
+        cache before its round (prompt + t - 1: every committed token but the root)."""
+        o, po = self.arrays["cont_offsets"], self.arrays["prompt_offsets"]
+        p = np.arange(int(o[-1]))
+        req = np.searchsorted(o, p, side="right") - 1
+        t = p - o[req]
+        return t, (po[req + 1] - po[req]) + t - 1
+
     def nodes_of(self, p: int) -> slice:
         o = self.arrays["node_offsets"]
         return slice(int(o[p]), int(o[p + 1]))

@@ -68,20 +68,17 @@ class NGramDrafter:
             return []
         match = suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
         self._probed[seq_id] = (len(tokens), depth, width, match)
-        # the growth confidence `_grow` would give, without growing: depth 1 the best first-token score of the
-        # continuations the node budget reaches, depth d > 1 the suffix score every continuation has there
-        left, reach, first = MAX_TREE_NODES, 0, 0.0
-        total = sum(match.followers.values())
-        for cont in match.continuations:
-            k = min(len(cont), left)
+        # the growth confidence `_grow` would give, without growing: per depth the best score of the nodes the
+        # node budget keeps (each continuation's first tokens, in order)
+        left, best = MAX_TREE_NODES, []
+        for row in self.scores(match):
+            k = min(len(row), left)
             if k <= 0:
                 break
-            left, reach = left - k, max(reach, k)
-            first = max(first, match.ngram / self.max_ngram * match.followers.get(cont[0], 0) / total)
-        if reach == 0:
-            return []
-        conf = [first] + [min(self.max_ngram, match.ngram + d) / self.max_ngram for d in range(1, reach)]
-        return np.asarray(conf, dtype=np.float32).tolist()
+            left -= k
+            best[: min(k, len(best))] = [max(b, c) for b, c in zip(best, row[:k])]
+            best += row[len(best) : k]
+        return np.asarray(best, dtype=np.float32).tolist()
 
     def _match(self, seq_id: int, tokens: list[int], depth: int, width: int) -> SuffixMatch:
         probed = self._probed.pop(seq_id, None)

@@ -222,8 +222,7 @@ def observation_values(
     v.append(math.log2(max(batch_size, 1)) / 8.0)
     v.append(depth / KMAX)
     v.append(1.0 if h.rounds == 0 else 0.0)
-    v += [float(c) for c in probe[:KMAX]]
-    v += _ZEROS_2K[: KMAX - min(len(probe), KMAX)]
+    v += _pad(probe)
     return v
 
 
