@@ -42,7 +42,7 @@ import io
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,6 @@ class Trace:
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray]
     path: Path | None = None
-    _pos_request: np.ndarray | None = field(default=None, repr=False)
 
     def __getattr__(self, name: str) -> np.ndarray:
         arrays = self.__dict__.get("arrays")
