@@ -80,8 +80,9 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
     target, drafter, _ = load_models(m.target, m.drafter, m.predictor)
     base = engine.Engine(target, instrument=False)  # the fastest plain engine: no routing records (policies need them)
     spec_engine = engine.Engine(target, drafter=drafter, calibration=calibration, acceptance=acceptance)
-    bare_engine = engine.Engine(target, drafter=drafter, calibration=calibration, acceptance=acceptance,
-                                instrument=False)  # what a static action needs: no policy reads the footprint
+    bare_engine = engine.Engine(
+        target, drafter=drafter, calibration=calibration, acceptance=acceptance, instrument=False
+    )  # what a static action needs: no policy reads the footprint
     out: dict[str, Any] = {}
     for name in sorted(traces):
         trace = traces[name]

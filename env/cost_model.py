@@ -80,9 +80,7 @@ class CostModel:
         counts = np.ones((L, r), dtype=np.int64) if self.needs_counts(1) else None
         return self.verify(1, L * r, context_len, counts) + self.book_ar()
 
-    def draft(
-        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all"
-    ) -> float:
+    def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all") -> float:
         """T_draft of `drafted_depth` drafter forwards at width W; `rule` (env.costs.draft_rule): what scores the
         nodes as they grow, which only a measured cost prices (the fitted kind)."""
         raise NotImplementedError
@@ -209,7 +207,5 @@ class RooflineCostModel(CostModel):
             + LAUNCHES_PER_FORWARD * hw.launch_overhead
         )
 
-    def draft(
-        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all"
-    ) -> float:
+    def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all") -> float:
         return self.drafter.round_cost(drafted_depth, width, context_len, expert_aware)

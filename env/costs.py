@@ -126,9 +126,7 @@ class FittedCostModel(CostModel):
         m = self.target.decode if n <= 1 else self.target.verify
         return m.seconds(n, distinct_total, self.routing_shape[0], context_len)
 
-    def draft(
-        self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all"
-    ) -> float:
+    def draft(self, drafted_depth: int, width: int, expert_aware: bool, context_len: int, rule: str = "all") -> float:
         return self.drafter_fit.round_cost(drafted_depth, width, context_len, expert_aware, rule)
 
     def book(self, n: int) -> float:

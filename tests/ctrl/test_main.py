@@ -664,8 +664,11 @@ def test_wallclock_entry_point(smoke_run):
     res = json.loads((run / "wallclock.json").read_text())
     assert res["cost"] == "measured-cpu" and set(res["workloads"]) == {"code", "prose"}
     for w in res["workloads"].values():
-        assert set(w["speedup"]) == set(w["replay_speedup"]) == {"static-best-test", "static-best-test-bare",
-                                                                 "aggrevate-seed0", "ppo-seed0"}
+        assert (
+            set(w["speedup"])
+            == set(w["replay_speedup"])
+            == {"static-best-test", "static-best-test-bare", "aggrevate-seed0", "ppo-seed0"}
+        )
         assert all(0 < v < 100 for v in w["speedup"].values()) and w["target_only_seconds"] > 0
     smoke = {(r["workload"], r["policy"]): r["speedup_vs_ar"] for r in json.loads((tmp / "run" / "results.json")
              .read_text()) if r["cost_model"] == "measured-cpu" and r["backend"] == "replay"}  # fmt: skip

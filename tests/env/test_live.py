@@ -187,8 +187,11 @@ def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
                    workload_name="code", probe=True)  # fmt: skip
     try:
         assert replay.probe == live.probe == (8, 3)
-        policies = [("K0", SpecConfig(depth=0)), ("K4 W2", SpecConfig(depth=4, width=2)),
-                    ("K8 W1 threshold", SpecConfig(depth=8, width=1, verify_rule="threshold", verify_threshold=0.1))]
+        policies = [
+            ("K0", SpecConfig(depth=0)),
+            ("K4 W2", SpecConfig(depth=4, width=2)),
+            ("K8 W1 threshold", SpecConfig(depth=8, width=1, verify_rule="threshold", verify_threshold=0.1)),
+        ]
         for name, action in policies:
             _same_episodes(replay, live, trace, name, action, tol=(1e-6, 1e-7, 1e-6))
         probed = 0

@@ -9,8 +9,15 @@ import pytest
 from env.record import RecordConf, SamplingConf, WorkloadConf, record
 from env.record_pool import record_many
 
-SECONDS = {"target_seconds", "draft_seconds", "cal_target_seconds", "cal_draft_seconds", "cal_live_draft_seconds",
-           "cal_live_forward_seconds", "cal_live_host_seconds"}  # measured: may differ
+SECONDS = {
+    "target_seconds",
+    "draft_seconds",
+    "cal_target_seconds",
+    "cal_draft_seconds",
+    "cal_live_draft_seconds",
+    "cal_live_forward_seconds",
+    "cal_live_host_seconds",
+}  # measured: may differ
 
 
 def _confs(tmp, tag: str) -> list[RecordConf]:

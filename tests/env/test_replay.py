@@ -164,8 +164,9 @@ def test_fitted_cost_and_synthetic_routing(greedy_trace):
     L, _, r = cm.routing_shape
     assert cm.ar(10) == pytest.approx(cm.plain_step.seconds(1, L * r, L, 10) + cm.book_ar())  # + a plain step's host
     live_plain = a["cal_live_forward_seconds"][plain].mean()  # T_AR's forward: the target-only engine's, as timed
-    assert cm.plain_step.seconds(1, L * r, L, int(a["cal_live_context"][plain].mean())) == pytest.approx(live_plain,
-                                                                                                          rel=0.05)
+    assert cm.plain_step.seconds(1, L * r, L, int(a["cal_live_context"][plain].mean())) == pytest.approx(
+        live_plain, rel=0.05
+    )
     p = cm.price(4, 3 * L * r, 10, 3, 1, False)
     assert p.book == cm.book(4) and p.total == pytest.approx(p.draft + p.verify + p.book)
     synthetic = make(greedy_trace, cost={"kind": "roofline", "model_spec": "qwen3_235b_a22b", "hardware": "h200"})
