@@ -48,6 +48,7 @@ from engine.cost.host_cost import HostCost, ProbeCost, fit_host_cost, fit_probe_
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
 from env.cost_model import CostModel, RooflineCostModel, RoundCost
 from env.models import NGRAM_DRAFTER
+from env.shared import view
 
 __all__ = ["CostConf", "CostModel", "FittedCostModel", "RooflineCostModel", "RoundCost", "make_cost_model"]
 
@@ -243,7 +244,8 @@ def make_cost_model(
     if conf.kind == "fitted":
         if trace is None:
             raise ValueError("the fitted cost model is fitted to a trace's calibration samples: pass a trace")
-        return FittedCostModel.from_trace(trace)
+        # fitted once per trace in this process (seconds for a 500-prompt trace; every env of it prices alike)
+        return view("fitted-cost", trace.arrays["cal_target_seconds"], lambda _: FittedCostModel.from_trace(trace))
     if conf.model_spec == "target":
         cfg = json.loads((Path(target_meta["path"]) / "config.json").read_text())
         spec = model_spec_from_hf_config(cfg, name="target")

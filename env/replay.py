@@ -68,6 +68,7 @@ from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
 from env.cost_offload import pairs_mask
 from env.costs import CostConf, drafter_probes, make_cost_model, uses_recorded_routing
+from env.shared import view
 from env.tables import PositionReplayer, ReplayTables, load_or_build_tables, routing_for
 from env.trace import Trace, load_trace
 
@@ -186,31 +187,36 @@ class ReplayEnv(gym.Env):
         self._probe_rows = [r.tolist() for r in rows]
         t, _ = trace.position_steps()
         depth = np.minimum(K, trace.meta["max_new_tokens"] - t - 1)  # as the engine (and the recorder) caps it
-        cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(self.tables.context, depth)])
         plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
-        tab = copy.copy(self.tables)
-        tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()
-        o = tab.outcome[:, plain]  # [P, A0] a K = 0 round's outcome: its verification and host work
-        draft = tab.draft_cost[:, plain] + cost[:, None]  # summed as a live round's RoundCost: (draft + verify) + book
-        tab.draft_cost[:, plain] = draft
-        tab.cost[:, plain] = (draft + tab.o_verify[o]) + tab.o_book[o]
-        self.tables = tab
-        self._probe_cost = cost.tolist()
+
+        def priced(base: np.ndarray) -> tuple[ReplayTables, list[float]]:  # once per tables in this process
+            cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(self.tables.context, depth)])
+            tab = copy.copy(self.tables)
+            tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()
+            o = tab.outcome[:, plain]  # [P, A0] a K = 0 round's outcome: its verification and host work
+            draft = tab.draft_cost[:, plain] + cost[:, None]  # as a live round's RoundCost: (draft + verify) + book
+            tab.draft_cost[:, plain] = draft
+            tab.cost[:, plain] = (draft + tab.o_verify[o]) + tab.o_book[o]
+            return tab, cost.tolist()
+
+        # the tables' key fixes the cost model, so the probe's prices too (env.shared)
+        self.tables, self._probe_cost = view(f"probe:{K},{W}", self.tables.cost, priced)
 
     # ------------------------------------------------------------------ fast lookups
     def _prepare_lookups(self) -> None:
-        t = self.tables
-        self._pairs = t.pair_ints()
-        self._popcount = [p.bit_count() for p in self._pairs]
-        self._acc, self._com, self._n = t.o_accepted.tolist(), t.o_committed.tolist(), t.o_n.tolist()
-        self._built, self._bonus, self._rej = t.o_built.tolist(), t.o_bonus.tolist(), t.o_rejection.tolist()
-        self._tried, self._reuse, self._new = t.o_tried.tolist(), t.o_reuse.tolist(), t.o_new_pairs.tolist()
-        self._distinct = t.o_distinct.tolist()
-        self._verify, self._book = t.o_verify.tolist(), t.o_book.tolist()
-        self._conf = [row[:b].tolist() for row, b in zip(t.o_confidence, self._built)]
+        t = self.tables  # list views, shared by every env over these tables in this process (env.shared)
+        as_list = lambda a: a.tolist()  # noqa: E731
+        self._pairs = view("ints", t.o_pairs, lambda _: t.pair_ints())
+        self._popcount = view("popcount", t.o_pairs, lambda _: [p.bit_count() for p in self._pairs])
+        self._acc, self._com, self._n = (view("list", a, as_list) for a in (t.o_accepted, t.o_committed, t.o_n))
+        self._built, self._bonus, self._rej = (view("list", a, as_list) for a in (t.o_built, t.o_bonus, t.o_rejection))
+        self._tried, self._reuse, self._new = (view("list", a, as_list) for a in (t.o_tried, t.o_reuse, t.o_new_pairs))
+        self._distinct = view("list", t.o_distinct, as_list)
+        self._verify, self._book = view("list", t.o_verify, as_list), view("list", t.o_book, as_list)
+        self._conf = view("built", t.o_confidence, lambda c: [r[:b].tolist() for r, b in zip(c, self._built)])
         self._tpe = t.o_tokens_per_expert if t.o_tokens_per_expert.size else None
-        self._outcome, self._cost, self._draft = t.outcome.tolist(), t.cost.tolist(), t.draft_cost.tolist()
-        self._ar = t.ar.tolist()
+        self._outcome, self._cost, self._draft = (view("list", a, as_list) for a in (t.outcome, t.cost, t.draft_cost))
+        self._ar = view("list", t.ar, as_list)
         self._specs = {}
         self.routing_shape = tuple(self.cost_model.routing_shape)
         self._stateful = bool(self.cost_model.stateful)

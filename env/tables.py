@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -497,13 +498,21 @@ def load_or_build_tables(
                          "(env.calibration.fit_acceptance)")  # fmt: skip
     key = tables_key(trace, grid, cost, routing_mode, router_seed, acceptance)
     path = cache_dir() / "replay" / f"tables-{key}.npz"
+    tables = _LOADED.get(str(path)) if cache else None  # one copy per process (env.shared)
+    if tables is not None:
+        return tables
     if cache and path.is_file():
         try:
-            return ReplayTables.from_file(path)
+            tables = _LOADED[str(path)] = ReplayTables.from_file(path)
+            return tables
         except (OSError, ValueError, KeyError):
             pass
     routing = routing_for(trace, cost, routing_mode, router_seed, cache)
     tables = build_tables(trace, grid, cost, routing, routing_mode == "recorded", on_position, acceptance)
     if cache:
         atomic_write_bytes(path, tables.to_bytes())
+        _LOADED[str(path)] = tables
     return tables
+
+
+_LOADED: weakref.WeakValueDictionary[str, ReplayTables] = weakref.WeakValueDictionary()  # cache file -> its tables
