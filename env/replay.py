@@ -183,24 +183,23 @@ class ReplayEnv(gym.Env):
                              f"{trace.meta['drafter']['name']!r}")  # fmt: skip
         K, W = grid.max_depth, max(grid.widths)
         self.probe = (K, W)
-        rows = trace.confidence[:, trace.widths.index(W), :K]  # [P, K]: tree(Kmax, W) cut to the grid's K
-        self._probe_rows = [r.tolist() for r in rows]
-        t, _ = trace.position_steps()
-        depth = np.minimum(K, trace.meta["max_new_tokens"] - t - 1)  # as the engine (and the recorder) caps it
-        plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
 
-        def priced(base: np.ndarray) -> tuple[ReplayTables, list[float]]:  # once per tables in this process
+        def priced(_cost: np.ndarray) -> tuple[ReplayTables, list[float], list[list[float]]]:
+            rows = trace.confidence[:, trace.widths.index(W), :K]  # [P, K]: tree(Kmax, W) cut to the grid's K
+            t, _ = trace.position_steps()
+            depth = np.minimum(K, trace.meta["max_new_tokens"] - t - 1)  # as the engine (and the recorder) caps it
             cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(self.tables.context, depth)])
+            plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
             tab = copy.copy(self.tables)
             tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()
             o = tab.outcome[:, plain]  # [P, A0] a K = 0 round's outcome: its verification and host work
             draft = tab.draft_cost[:, plain] + cost[:, None]  # as a live round's RoundCost: (draft + verify) + book
             tab.draft_cost[:, plain] = draft
             tab.cost[:, plain] = (draft + tab.o_verify[o]) + tab.o_book[o]
-            return tab, cost.tolist()
+            return tab, cost.tolist(), [r.tolist() for r in rows]
 
-        # the tables' key fixes the cost model, so the probe's prices too (env.shared)
-        self.tables, self._probe_cost = view(f"probe:{K},{W}", self.tables.cost, priced)
+        # once per tables in this process (env.shared): their key fixes the trace, the grid and the cost model
+        self.tables, self._probe_cost, self._probe_rows = view(f"probe:{K},{W}", self.tables.cost, priced)
 
     # ------------------------------------------------------------------ fast lookups
     def _prepare_lookups(self) -> None:

@@ -26,7 +26,8 @@ def view(tag: str, arr: np.ndarray, make: Callable[[np.ndarray], T]) -> T:
     """`make(arr)`, built once per (tag, array object) in this process and shared until the array is freed.
 
     `tag` names what is derived (one array can have several views); `make` must depend on `arr` (and on what
-    is fixed with it, such as the other arrays of its tables) only."""
+    is fixed with it, such as the other arrays of its tables) only, and its result must not hold `arr` (the
+    entry would then keep it alive for the process's lifetime)."""
     key = (tag, id(arr))
     hit = _VIEWS.get(key)
     if hit is not None and hit[0]() is arr:

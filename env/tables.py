@@ -482,6 +482,9 @@ def tables_key(trace: Trace, grid: ActionGrid, cost: CostModel, routing_mode: st
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+_LOADED: weakref.WeakValueDictionary[str, ReplayTables] = weakref.WeakValueDictionary()  # cache file -> its tables
+
+
 def load_or_build_tables(
     trace: Trace,
     grid: ActionGrid,
@@ -513,6 +516,3 @@ def load_or_build_tables(
         atomic_write_bytes(path, tables.to_bytes())
         _LOADED[str(path)] = tables
     return tables
-
-
-_LOADED: weakref.WeakValueDictionary[str, ReplayTables] = weakref.WeakValueDictionary()  # cache file -> its tables

@@ -49,6 +49,7 @@ def test_envs_share_tables_views_and_the_fitted_cost_with_the_same_rollouts(ngra
     assert a.tables is b.tables and a._cost is b._cost and a._conf is b._conf and a._pairs is b._pairs
     p, q = (ReplayEnv(ngram_trace, grid=SMALL_GRID, cost=cost, probe=True) for _ in range(2))
     assert p.tables is q.tables and p._cost is q._cost and p._probe_cost is q._probe_cost
+    assert p._probe_rows is q._probe_rows
     assert p.tables is not a.tables and p._acc is a._acc  # the probe prices K = 0 apart; the outcomes are shared
     if kind == "fitted":
         assert a.cost_model is b.cost_model  # fitted once per trace
