@@ -33,9 +33,10 @@ fi
 if python -c "import importlib.metadata as m; m.version('kernels')" 2>/dev/null; then
   python -m pip uninstall --quiet -y kernels
 fi
-# build the C++ CPU extensions once now (~80 s: kernels/small_m.py, kernels/cpu_decode.py, kernels/tanh_mlp.py), so
-# no later run pays for them; never fatal (their Python twins run without them)
+# build the C++ CPU extensions once now (~80 s: kernels/small_m.py, kernels/cpu_decode.py, kernels/tanh_mlp.py,
+# kernels/lookup.py), so no later run pays for them; never fatal (their Python twins run without them)
 python -c "from kernels import small_m; print('CPU small-M kernel:', small_m.status())" || true
 python -c "from kernels import cpu_decode; print('fused CPU decode ops:', cpu_decode.status())" || true
 python -c "from kernels import tanh_mlp; print('C++ policy actor:', tanh_mlp.status())" || true
+python -c "from kernels import lookup; print('C++ prompt lookup:', lookup.status())" || true
 touch "$STAMP"

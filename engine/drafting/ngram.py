@@ -9,11 +9,12 @@ import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import select_verified
-from engine.drafting.suffix import SuffixMatch, suffix_match
+from engine.drafting.suffix import SuffixMatch, suffix_match, suffix_match_py
 from engine.drafting.tree_growth import _node_budget, kept_by_score, stored_cond
 from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
+from kernels import lookup
 
 
 class NGramDrafter:
@@ -38,6 +39,7 @@ class NGramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self._probed: dict[int, tuple[int, int, int, SuffixMatch]] = {}  # seq -> (len(tokens), depth, width, match)
+        lookup.native()  # load (or build) the C++ lookup now, never inside a timed round
 
     predicts_experts = False  # no expert predictor: λ > 0 is refused by the engine
 
@@ -66,7 +68,17 @@ class NGramDrafter:
         if depth <= 0 or width <= 0:
             self._probed.pop(seq_id, None)
             return []
-        match = suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
+        fns = lookup.native()
+        if fns is not None:  # the match and the confidence below in one C++ call (kernels.lookup: same values)
+            conf, *found = fns[1](tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth),
+                                  MAX_TREE_NODES)  # fmt: skip
+            self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(*found))
+            return conf
+        return self.probe_py(seq_id, tokens, depth, width)
+
+    def probe_py(self, seq_id: int, tokens: list[int], depth: int, width: int) -> list[float]:
+        """`probe` in Python (depth, width > 0): the C++ one's reference twin."""
+        match = suffix_match_py(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
         self._probed[seq_id] = (len(tokens), depth, width, match)
         # the growth confidence `_grow` would give, without growing: per depth the best score of the nodes the
         # node budget keeps (each continuation's first tokens, in order)

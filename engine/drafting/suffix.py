@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kernels import lookup
+
 
 @dataclass(frozen=True)
 class SuffixMatch:
@@ -27,7 +29,19 @@ def suffix_match(
 
     Lengths are compared up to `select_depth` (default `depth`) and the chosen continuations then cut to `depth`:
     with a fixed `select_depth` >= depth the depth-K result is the depth-K prefix of the deeper ones (the
-    NGramDrafter's trees, which trace replay cuts by depth)."""
+    NGramDrafter's trees, which trace replay cuts by depth). Runs in C++ (kernels.lookup) when it is built;
+    `suffix_match_py` is its reference twin."""
+    fns = lookup.native()
+    if fns is None:
+        return suffix_match_py(tokens, depth, width, max_ngram, min_ngram, select_depth)
+    cap = depth if select_depth is None else max(select_depth, depth)
+    return SuffixMatch(*fns[0](tokens, depth, width, max_ngram, min_ngram, cap))
+
+
+def suffix_match_py(
+    tokens: list[int], depth: int, width: int, max_ngram: int = 4, min_ngram: int = 1, select_depth: int | None = None
+) -> SuffixMatch:
+    """`suffix_match` in Python (the C++ one's reference twin)."""
     if depth <= 0:
         return SuffixMatch([], 0, {})
     cap = depth if select_depth is None else max(select_depth, depth)

@@ -156,8 +156,11 @@ def _reference_match(tokens, depth, width, max_ngram=4, min_ngram=1, select_dept
     return SuffixMatch([], 0, {})
 
 
-def test_suffix_match_scans_only_the_last_token_s_occurrences_with_the_same_result():
-    from engine.drafting.suffix import suffix_match
+@pytest.mark.parametrize("impl", ["suffix_match", "suffix_match_py"])  # the C++ one where built, its Python twin
+def test_suffix_match_scans_only_the_last_token_s_occurrences_with_the_same_result(impl):
+    from engine.drafting import suffix
+
+    suffix_match = getattr(suffix, impl)
 
     rng = random.Random(5)
     for _ in range(2000):

@@ -1,0 +1,83 @@
+"""The C++ prompt lookup (kernels.lookup) against its Python reference twins: engine.drafting.suffix.suffix_match_py
+and NGramDrafter.probe_py — the same continuations, n-gram length, followers in the same order, and the same float32
+confidences."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from engine.drafting.ngram import NGramDrafter
+from engine.drafting.protocol import MAX_TREE_NODES
+from engine.drafting.suffix import suffix_match, suffix_match_py
+from engine.spec.config import MAX_DEPTH
+from kernels import lookup
+
+pytestmark = pytest.mark.skipif(lookup.load() is None, reason=f"C++ lookup {lookup.status()}")
+
+
+def _fields(m):
+    return m.continuations, m.ngram, list(m.followers.items())  # the followers' order too
+
+
+def _cases(seed, n=3000):
+    rng = random.Random(seed)
+    for _ in range(n):
+        tokens = [rng.randrange(rng.choice([2, 4, 9, 50])) for _ in range(rng.randrange(0, 90))]
+        max_ngram = rng.randrange(1, 6)
+        yield tokens, rng.randrange(0, 12), rng.randrange(0, 5), max_ngram, rng.randrange(1, max_ngram + 1)
+
+
+def test_match_equals_its_python_twin():
+    rng = random.Random(1)
+    for tokens, depth, width, max_ngram, min_ngram in _cases(0):
+        sel = rng.choice([None, 4, 8, 16])
+        got = suffix_match(tokens, depth, width, max_ngram, min_ngram, select_depth=sel)
+        want = suffix_match_py(tokens, depth, width, max_ngram, min_ngram, select_depth=sel)
+        assert _fields(got) == _fields(want), (tokens, depth, width, max_ngram, min_ngram, sel)
+
+
+def test_probe_equals_its_python_twin_and_keeps_the_same_match():
+    for tokens, depth, width, max_ngram, min_ngram in _cases(2):
+        if depth <= 0 or width <= 0:
+            continue
+        fast, slow = NGramDrafter(64, max_ngram, min_ngram), NGramDrafter(64, max_ngram, min_ngram)
+        assert fast.probe(0, tokens, depth, width) == slow.probe_py(0, tokens, depth, width), (tokens, depth, width)
+        (n1, d1, w1, m1), (n2, d2, w2, m2) = fast._probed[0], slow._probed[0]
+        assert (n1, d1, w1, _fields(m1)) == (n2, d2, w2, _fields(m2))
+
+
+def test_probe_respects_the_node_budget(monkeypatch):
+    """Deep continuations of several widths fill more than a small node budget: both stop where it runs out."""
+    rng = random.Random(3)
+    tokens = [t for _ in range(60) for t in (0, 1, rng.randrange(2, 6), 6)] + [0, 1]
+    for budget in (1, 3, 7, 20, MAX_TREE_NODES):
+        monkeypatch.setattr("engine.drafting.ngram.MAX_TREE_NODES", budget)
+        fast, slow = NGramDrafter(8), NGramDrafter(8)
+        got = fast.probe(0, tokens, MAX_DEPTH, 4)
+        assert got == slow.probe_py(0, tokens, MAX_DEPTH, 4) and len(got) == min(budget, MAX_DEPTH)
+        assert len(fast._probed[0][3].continuations) == 4
+
+
+def test_bad_tokens_and_arguments_raise():
+    match, probe = lookup.native()
+    with pytest.raises(TypeError):
+        match([1, "a", 1], 2, 1, 4, 1, 2)
+    with pytest.raises(TypeError):
+        match(5, 2, 1, 4, 1, 2)
+    with pytest.raises(TypeError):
+        probe([1, 2, 1], 2, 1, 4, 1)
+
+
+def test_switched_off_by_the_environment():
+    code = (
+        "from kernels import lookup; from engine.drafting.suffix import suffix_match; "
+        "print(lookup.status(), lookup.native(), suffix_match([1, 2, 3, 1, 2], 2, 1).continuations)"
+    )
+    env = {**os.environ, "EXPERTSPEC_NATIVE_LOOKUP": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "off (EXPERTSPEC_NATIVE_LOOKUP=0) None [[3, 1]]"
