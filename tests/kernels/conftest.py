@@ -29,6 +29,20 @@ INTERPRETER_REASON = (
 
 
 @pytest.fixture
+def switched_off():
+    """run(switch, code) -> the stripped stdout of `python -c code` with the C++ extension's switch `switch` set to 0
+    (kernels.cpp_build: the Python twin runs instead)."""
+    import subprocess
+
+    def run(switch: str, code: str) -> str:
+        env = {**os.environ, switch: "0"}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    return run
+
+
+@pytest.fixture
 def triton_cpu() -> None:
     """Skip unless Triton kernels can run on CPU tensors in this process."""
     if not interpreter_active(_moe_align_kernel):

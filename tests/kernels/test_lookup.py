@@ -4,10 +4,7 @@ confidences."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -73,11 +70,9 @@ def test_bad_tokens_and_arguments_raise():
         probe([1, 2, 1], 2, 1, 4, 1)
 
 
-def test_switched_off_by_the_environment():
+def test_switched_off_by_the_environment(switched_off):
     code = (
         "from kernels import lookup; from engine.drafting.suffix import suffix_match; "
         "print(lookup.status(), lookup.native(), suffix_match([1, 2, 3, 1, 2], 2, 1).continuations)"
     )
-    env = {**os.environ, "EXPERTSPEC_NATIVE_LOOKUP": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "off (EXPERTSPEC_NATIVE_LOOKUP=0) None [[3, 1]]"
+    assert switched_off("EXPERTSPEC_NATIVE_LOOKUP", code) == "off (EXPERTSPEC_NATIVE_LOOKUP=0) None [[3, 1]]"

@@ -103,18 +103,12 @@ def test_a_stale_build_lock_is_cleared(tmp_path):
     small_m._clear_stale_lock(tmp_path)  # no lock: nothing to do
 
 
-def test_switched_off_by_the_environment():
-    import os
-    import subprocess
-    import sys
-
+def test_switched_off_by_the_environment(switched_off):
     code = (
         "from kernels import small_m; import torch; "
         "print(small_m.status(), small_m.supports(torch.ones(2, 4), torch.ones(4, 4).t()))"
     )
-    env = {**os.environ, "EXPERTSPEC_SMALL_M": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "off (EXPERTSPEC_SMALL_M=0) False"
+    assert switched_off("EXPERTSPEC_SMALL_M", code) == "off (EXPERTSPEC_SMALL_M=0) False"
 
 
 @pytest.mark.parametrize("cap, flags, status", [

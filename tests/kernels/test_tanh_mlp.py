@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -68,8 +64,6 @@ def test_bad_shapes_are_refused_with_a_message():
         tanh_mlp.actor(lo, hi, layers, 4)
 
 
-def test_switched_off_by_the_environment():
+def test_switched_off_by_the_environment(switched_off):
     code = "from kernels import tanh_mlp; import numpy as np; print(tanh_mlp.status(), tanh_mlp.actor(np.zeros(1), np.ones(1), [(np.ones((1, 1)), np.zeros(1))], 1))"  # noqa: E501
-    env = {**os.environ, "EXPERTSPEC_NATIVE_ACTOR": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "off (EXPERTSPEC_NATIVE_ACTOR=0) None"
+    assert switched_off("EXPERTSPEC_NATIVE_ACTOR", code) == "off (EXPERTSPEC_NATIVE_ACTOR=0) None"
