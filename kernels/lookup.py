@@ -1,6 +1,6 @@
 """Prompt lookup in C++ (`lookup.cpp`): the suffix match and the n-gram drafter's probe in one call each. Reference
-twins: `engine.drafting.suffix.suffix_match` and `engine.drafting.ngram.NGramDrafter.probe` in Python (the same
-matches, followers and float32 confidences: tested over random token sequences).
+twins, in Python: `engine.drafting.suffix.suffix_match_py` and `engine.drafting.ngram.NGramDrafter.probe_py` (the
+same matches, followers in the same order and float32 confidences: tests/kernels/test_lookup.py).
 
     from kernels import lookup
     fns = lookup.native()    # (match, probe) raw C functions, or None when the extension is off
@@ -8,7 +8,7 @@ matches, followers and float32 confidences: tested over random token sequences).
     confidence, conts, ngram, followers = probe(tokens, depth, width, max_ngram, min_ngram, cap, node_budget)
 
 Why: a learned policy that observes this round's draft (`confidence_now`) pays the probe before every lookup round,
-also before the rounds it then drafts nothing; in Python it cost ~26 µs in place after a forward (README, issue 10).
+also before the rounds it then drafts nothing; in Python it cost 26–33 µs in place after a forward (README, issue 10).
 Plain CPython, no torch headers: built on first use in about a second; off when `EXPERTSPEC_NATIVE_LOOKUP=0`,
 without a compiler or on a failed build (`status()` says which), and the Python twins then run.
 """
