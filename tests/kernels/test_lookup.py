@@ -76,3 +76,13 @@ def test_switched_off_by_the_environment(switched_off):
         "print(lookup.status(), lookup.native(), suffix_match([1, 2, 3, 1, 2], 2, 1).continuations)"
     )
     assert switched_off("EXPERTSPEC_NATIVE_LOOKUP", code) == "off (EXPERTSPEC_NATIVE_LOOKUP=0) None [[3, 1]]"
+
+
+def test_a_drafter_loads_it_when_made_never_inside_a_timed_round(switched_off):
+    """The first `native()` builds or imports the extension (seconds, then milliseconds): a recording's first timed
+    probe must not carry it, so an NGramDrafter looks it up when it is made."""
+    code = (
+        "from kernels import lookup; from engine.drafting.ngram import NGramDrafter; "
+        "print(lookup._FNS, end=' '); NGramDrafter(8); print(lookup._FNS)"
+    )
+    assert switched_off("EXPERTSPEC_NATIVE_LOOKUP", code) == "[] [None]"  # looked up (off here) before any probe
