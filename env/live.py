@@ -188,8 +188,9 @@ class LiveEnv(gym.Env):
             raise ValueError("the grid has the 'calibrated' verification rule: pass its acceptance model")
         self.acceptance = acceptance  # engine.drafting.acceptance.AcceptanceModel of the "calibrated" rule
         self.engine = engine.Engine(
-            target_model, drafter=self.drafter, round_cost=self._price, calibration=calibration, acceptance=acceptance
-        )
+            target_model, drafter=self.drafter, round_cost=self._price, calibration=calibration, acceptance=acceptance,
+            plain_routing=batch_size > 1 and not measured and self.router is None,  # the batch's union of experts
+        )  # fmt: skip
         self.eos_token_id = None
         if eos and target_model.tokenizer is not None:
             self.eos_token_id = target_model.tokenizer.token_to_id("<|endoftext|>")
@@ -224,8 +225,10 @@ class LiveEnv(gym.Env):
             stats.tokens_per_expert = None
             stats.reuse = fp.reuse
             stats.new_pairs_per_node = fp.new_pairs_per_node
-            stats.overlap_prev = None if prev is None else (pairs & prev).bit_count() / max(pairs.bit_count(), 1)
-            self._prev_pairs[rid] = pairs
+            if n > 1:  # a one-token round's overlap is not observed (engine.runtime.round_record)
+                stats.overlap_prev = None if prev is None else (pairs & prev).bit_count() / max(pairs.bit_count(), 1)
+                self._prev_pairs[rid] = pairs
+            self._pairs[rid] = pairs
         if self.measured:
             cost = RoundCost(
                 draft=stats.time.get("draft", 0.0) + stats.probe_seconds,
@@ -280,7 +283,8 @@ class LiveEnv(gym.Env):
         self.session = self.engine.start(prompts, self.max_new_tokens, sampling=params, eos_token_id=self.eos_token_id)
         self._pending: list[tuple] = []
         self._costs: dict[int, RoundCost] = {}
-        self._prev_pairs: dict[int, int] = {}
+        self._prev_pairs: dict[int, int] = {}  # each request's last verification of a tree (overlap)
+        self._pairs: dict[int, int] = {}  # each request's latest round (the batch's union of experts)
         self._key: dict[int, int] = {}
         self._latent: dict[int, np.ndarray] = {}
         self._root_token: dict[int, int] = {}
@@ -413,7 +417,7 @@ class LiveEnv(gym.Env):
         else:
             union_bits = 0
             for rid in active:
-                union_bits |= self._prev_pairs[rid]
+                union_bits |= self._pairs[rid]
             distinct, counts_np = union_bits.bit_count(), None
         self._last_union = distinct
         ctx = int(round(sum(self._contexts) / len(self._contexts)))  # attention priced at the mean context

@@ -341,8 +341,8 @@ class ReplayEnv(gym.Env):
             transfer = self.cost_model.transfer(int(self._device_cache.access(pairs_mask(pairs, L, E)).sum()))
             verify = verify + transfer
             cost = draft + verify + book
-        overlap = None
-        if self._prev_pairs is not None:
+        overlap = None  # a one-token round's overlap is not observed (engine.runtime.round_record)
+        if self._prev_pairs is not None and n > 1:
             overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)
         stats = RoundStats(
             round_index=len(self.rounds),
@@ -371,7 +371,8 @@ class ReplayEnv(gym.Env):
         )
         self.rounds.append(stats)
         self._history.add(stats)
-        self._prev_pairs = pairs
+        if n > 1:  # the next round's overlap is with the last verification of a tree
+            self._prev_pairs = pairs
         self.position += com
         self.total_cost += cost
         reward = com - cost / ar

@@ -79,7 +79,10 @@ class Engine:
     drafter: None (target-only), a dense `engine.Model` with the target's vocabulary, "ngram", or any
     object implementing `engine.drafters.Drafter`.
     Options: block_size / num_blocks (paged KV; num_blocks None = sized per call), backend ("auto",
-    "torch", "triton") for the target's expert GEMM, instrument (routing footprint per round),
+    "torch", "triton") for the target's expert GEMM, instrument (routing footprint per round), plain_routing
+    (record routing in steps where every request verifies one token, K = 0: their footprint is known, r experts per
+    MoE layer, and their overlap is not observed, engine.runtime.round_record; None = only with cost_model or
+    rank_loads, which price those experts; True for what-if pricing of one-token rounds' own routing),
     timing (per-phase wall clock of every forward in `RoundStats.time`: the per-op path, whose phases it times, so
     not the CPU's one-call forward, engine.models.cpu_stack; off by default), cost_model (callable RoutingRecord-like
     -> modelled seconds),
@@ -102,6 +105,7 @@ class Engine:
         num_blocks: int | None = None,
         backend: str = "auto",
         instrument: bool = True,
+        plain_routing: bool | None = None,
         timing: bool = False,
         cost_model: Callable[[list[torch.Tensor], int], float] | None = None,
         rank_loads: Callable[[list[torch.Tensor]], tuple[float, float, float]] | None = None,
@@ -131,6 +135,9 @@ class Engine:
         if virtual_ep is not None and rank_loads is None:
             rank_loads = virtual_rank_loads(virtual_ep, target.config.num_experts)
         self.rank_loads = rank_loads
+        # one-token steps record routing only where a one-token round's expert identities are priced
+        priced = cost_model is not None or rank_loads is not None
+        self.plain_routing = priced if plain_routing is None else plain_routing
         self.kv: PagedKVCache | None = None
         # Expert parallelism (engine.ep): every rank must run the same sequence of MoE collectives, so
         # steps are taken in lockstep (`ep.any_active(local) -> global`) and a rank without work runs
@@ -404,9 +411,11 @@ class Engine:
             scratch.append(node_slots)
             items.append(tree_item(tree.tokens, tree.parents, tree.depths, ctx[:-1], torch.cat([ctx[-1:], node_slots])))
         t0 = time.perf_counter()
-        budget = self.expert_budget if any(t.num_nodes > 1 for t in trees) else None  # verification forwards only
+        verifying = any(t.num_nodes > 1 for t in trees)
+        budget = self.expert_budget if verifying else None  # verification forwards only
+        record = self.instrument and (verifying or self.plain_routing)
         out = self._forward(
-            pack(items, self.target.device), kv, record_routing=self.instrument, timer=timer, expert_budget=budget,
+            pack(items, self.target.device), kv, record_routing=record, timer=timer, expert_budget=budget,
             feature_layers=self.feature_layers,
         )  # fmt: skip
         feats = out.hidden if out.features is None else out.features
@@ -433,9 +442,9 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.commit(r.index, r.tokens, tree, accepted, target_hidden=feats[off : off + n])
             book = time.perf_counter() - t1
-            routing = out.routing.expert_ids if self.instrument and out.routing is not None else None
+            routing = out.routing.expert_ids if record and out.routing is not None else None
             stats = round_stats(r, tree, s, a, result, committed, routing or None, self.target.config.num_experts,
-                                self.rank_loads, self.cost_model, start=off)  # fmt: skip
+                                self.rank_loads, self.cost_model, start=off, shape=self._obs_model[::-1])  # fmt: skip
             stats.time = {**phase, "draft": tree.draft_seconds, "forward": forward_seconds, "sampling": book}
             stats.offload = offload_stats
             stats.batch_size = len(active)

@@ -14,7 +14,8 @@ Vector layout (`Observation.vector()`, float32, Kmax = `KMAX`; all entries bound
     2K+2 .. 3K+1      confidence_cal_last[d]    the same, calibrated (P(accepted | confidence))
     3K+2              footprint_frac            mean_l U_l / (n·r) of the last verification (1 = no reuse)
     3K+3              new_pairs_per_node / r·L  (layer, expert) pairs added per drafted node, normalised
-    3K+4              overlap_prev              share of last round's pairs also used the round before
+    3K+4              overlap_prev              share of last round's pairs also used by the verification of a
+                                                tree before it (0 after a one-token round: not observed)
     3K+5              rank_imbalance - 1        max/mean EP rank load − 1 (0 without an EP layout), clipped
     3K+6              cross_node_ratio          share of assignments on another node
     3K+7              utility_last / 4          R · T_AR / T_spec of the last round, clipped to [0, 4]
@@ -58,7 +59,8 @@ OBS_FIELDS = (
     + [f"confidence_now_{d}" for d in range(1, KMAX + 1)]
 )
 OBS_DIM = len(OBS_FIELDS)
-OBS_SIGNATURE = "expertspec-obs-v1:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
+# v2: a one-token round's overlap is not observed (engine.runtime.round_record)
+OBS_SIGNATURE = "expertspec-obs-v2:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
 
 Calibration = Callable[[float, int], float]  # (raw confidence, depth 1..K) -> P(accepted)
 

@@ -27,11 +27,18 @@ def round_stats(
     rank_loads: Callable | None = None,
     cost_model: Callable | None = None,
     start: int = 0,
+    shape: tuple[int, int] = (0, 0),
 ) -> RoundStats:
     """RoundStats of request `r`'s round (`_commit` already advanced it): `spec` the round's SpecConfig (after
     the end-of-request cap), `action` the one chosen, `result` the verification, `routing` the step's forward's
-    routing L x [N, r] when the engine is instrumented (footprint, rank loads and the modelled cost need it), whose
-    rows start .. start + n - 1 are this round's verified nodes."""
+    routing L x [N, r] when the engine recorded it (footprint, rank loads and the modelled cost need it), whose
+    rows start .. start + n - 1 are this round's verified nodes; `shape` (L, r) of the target.
+
+    A one-token round (n = 1, K = 0) has a known footprint without routing: r distinct experts in each of the L
+    MoE layers, no reuse, no drafted node. Its overlap with the previous round is never observed (None) and it does
+    not become the next round's "previous round" (`r.prev_pairs` stays the last verification of a tree's), whether
+    or not its routing was recorded: the engine need not record one-token steps (`Engine(plain_routing=False)`), and
+    a request's observation never depends on whether its batch mates drafted (env.replay does the same)."""
     n = tree.num_nodes
     K = int(tree.max_depth) if n > 1 else 0
     acc = result.accepted_len
@@ -54,7 +61,13 @@ def round_stats(
         verify_rule=spec.verify_rule,
         context_len=r.cached_len - committed,
     )
-    if routing is not None:
+    if n == 1 and shape[1] > 0:
+        L, top_r = shape
+        stats.distinct_experts = [top_r] * L
+        stats.new_pairs_per_node = 0.0
+        if routing is not None:
+            stats.tokens_per_expert = round_footprint(routing, num_experts, None, rows=(start, n)).tokens_per_expert
+    elif routing is not None:
         fp = round_footprint(routing, num_experts, r.prev_pairs, rows=(start, n))
         stats.tokens_per_expert = fp.tokens_per_expert
         stats.distinct_experts = fp.distinct_experts
@@ -62,6 +75,7 @@ def round_stats(
         stats.overlap_prev = fp.overlap_prev
         stats.new_pairs_per_node = fp.new_pairs_per_node
         r.prev_pairs = fp.pairs
+    if routing is not None:
         ids = [e[start : start + n] for e in routing] if rank_loads is not None or cost_model is not None else []
         if rank_loads is not None:
             stats.rank_imbalance_mean, stats.rank_imbalance_max, stats.cross_node_ratio = rank_loads(ids)

@@ -160,8 +160,47 @@ def test_round_stats_footprint_virtual_ep_and_modelled_cost(target, tiny_dense_d
         assert r.modelled_seconds > 0
         for phase in ("draft", "attention", "router", "experts", "combine", "sampling", "forward"):
             assert phase in r.time  # timing=True: the forward's phases too
-    later = [r for x in res for r in x.rounds[1:]]
-    assert all(r.overlap_prev is not None and 0 <= r.overlap_prev <= 1 for r in later)
+    later = [r for x in res for r in x.rounds[1:] if r.verified_tokens > 1]  # round 0 verified a tree
+    assert later and all(r.overlap_prev is not None and 0 <= r.overlap_prev <= 1 for r in later)
+    assert all(r.overlap_prev is None for x in res for r in x.rounds if r.verified_tokens == 1)  # not observed
+
+
+def test_one_token_steps_record_no_routing_and_keep_the_last_tree(target, tiny_dense_dir, monkeypatch):
+    """A step whose requests all verify one token (K = 0) records no routing unless asked (`plain_routing`): its
+    footprint is still r experts per MoE layer, its overlap is not observed, and the next tree's overlap is with the
+    tree before it. Tokens, footprints and overlaps equal an engine that records every step."""
+    drafter = engine.load_model(tiny_dense_dir)
+    depths = [3, 0, 0, 2, 0, 3, 0]
+
+    def policy(obs):
+        return engine.SpecConfig(depth=depths[min(obs.round_index, len(depths) - 1)], width=2)
+
+    recorded: list[bool] = []
+    forward = type(target).forward_batch
+
+    def spy(self, *args, **kwargs):
+        if self is target and "record_routing" in kwargs:  # the rounds' forwards (not the prefill, not the drafter)
+            recorded.append(kwargs["record_routing"])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward_batch", spy)
+    (lean,) = engine.Engine(target, drafter=drafter).generate(PROMPTS[:1], 16, policy=policy)
+    lean_recorded, recorded[:] = list(recorded), []
+    (full,) = engine.Engine(target, drafter=drafter, plain_routing=True).generate(PROMPTS[:1], 16, policy=policy)
+    assert lean.token_ids == full.token_ids and len(lean.rounds) == len(full.rounds) >= 6
+    assert lean_recorded == [r.verified_tokens > 1 for r in lean.rounds] and all(recorded)
+    L, r_top = len(target.config.moe_layers), target.config.top_r
+    for a, b in zip(lean.rounds, full.rounds):
+        assert (a.distinct_experts, a.overlap_prev, a.new_pairs_per_node) == (
+            b.distinct_experts, b.overlap_prev, b.new_pairs_per_node)  # fmt: skip
+        if a.verified_tokens == 1:
+            assert a.distinct_experts == [r_top] * L and a.overlap_prev is None and a.reuse == 0.0
+            assert a.tokens_per_expert is None and int(b.tokens_per_expert.sum()) == L * r_top
+    trees = [i for i, x in enumerate(full.rounds) if x.verified_tokens > 1]
+    assert trees[:3] == [0, 3, 5]
+    for before, i in zip(trees, trees[1:]):  # overlap with the last tree, across the one-token rounds between
+        now, prev = full.rounds[i].tokens_per_expert > 0, full.rounds[before].tokens_per_expert > 0
+        assert lean.rounds[i].overlap_prev == pytest.approx(int((now & prev).sum()) / int(now.sum()))
 
 
 def test_virtual_ep_must_match_the_target(target):
