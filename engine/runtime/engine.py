@@ -414,6 +414,7 @@ class Engine:
         verifying = any(t.num_nodes > 1 for t in trees)
         budget = self.expert_budget if verifying else None  # verification forwards only
         record = self.instrument and (verifying or self.plain_routing)
+        footprint_shape = self._obs_model[::-1] if self.instrument else (0, 0)  # (L, r): one-token footprints
         out = self._forward(
             pack(items, self.target.device), kv, record_routing=record, timer=timer, expert_budget=budget,
             feature_layers=self.feature_layers,
@@ -444,7 +445,7 @@ class Engine:
             book = time.perf_counter() - t1
             routing = out.routing.expert_ids if record and out.routing is not None else None
             stats = round_stats(r, tree, s, a, result, committed, routing or None, self.target.config.num_experts,
-                                self.rank_loads, self.cost_model, start=off, shape=self._obs_model[::-1])  # fmt: skip
+                                self.rank_loads, self.cost_model, start=off, shape=footprint_shape)  # fmt: skip
             stats.time = {**phase, "draft": tree.draft_seconds, "forward": forward_seconds, "sampling": book}
             stats.offload = offload_stats
             stats.batch_size = len(active)

@@ -188,7 +188,10 @@ def test_one_token_steps_record_no_routing_and_keep_the_last_tree(target, tiny_d
     lean_recorded, recorded[:] = list(recorded), []
     (full,) = engine.Engine(target, drafter=drafter, plain_routing=True).generate(PROMPTS[:1], 16, policy=policy)
     assert lean.token_ids == full.token_ids and len(lean.rounds) == len(full.rounds) >= 6
-    assert lean_recorded == [r.verified_tokens > 1 for r in lean.rounds] and all(recorded)
+    assert lean_recorded == [r.verified_tokens > 1 for r in lean.rounds] and len(recorded) == len(full.rounds)
+    assert all(recorded)
+    (bare,) = engine.Engine(target, drafter=drafter, instrument=False).generate(PROMPTS[:1], 16, policy=policy)
+    assert bare.token_ids == lean.token_ids and all(r.distinct_experts == [] for r in bare.rounds)  # no footprint
     L, r_top = len(target.config.moe_layers), target.config.top_r
     for a, b in zip(lean.rounds, full.rounds):
         assert (a.distinct_experts, a.overlap_prev, a.new_pairs_per_node) == (
