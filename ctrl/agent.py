@@ -157,6 +157,11 @@ def train_policy(
                                             str(out_dir / "checkpoints" / f"seed{seed}"), name_prefix=algo.name,
                                             save_vecnormalize=True))  # fmt: skip
     model = _agent(algo, venv, seed)
+    # SB3's default logger makes an empty /tmp/SB3-<time> folder per learn(); ours keeps its values (Track reads
+    # them) and writes nowhere
+    from stable_baselines3.common.logger import Logger
+
+    model.set_logger(Logger(folder=None, output_formats=[]))
     if imitation:
         from ctrl.aggrevate import aggrevate
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -334,7 +335,13 @@ def test_policy_from_another_observation_layout_is_refused(trained, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["offline", "disabled"])
-def test_wandb_modes(trained, tmp_path, mode):
+def test_wandb_modes(trained, tmp_path, mode, monkeypatch):
+    """W&B offline writes its run directory under the run's folder, disabled writes nothing; either way SB3 leaves
+    no `SB3-<time>` folder in the temporary directory (its default logger's)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.delenv("SB3_LOGDIR", raising=False)
     conf, trace, grid, _, acceptance = trained
     train_ids, _ = split(trace, conf)
     algo = AlgoConf(total_timesteps=128, n_envs=1, n_steps=64, batch_size=64, n_epochs=1)
@@ -350,6 +357,7 @@ def test_wandb_modes(trained, tmp_path, mode):
         assert b"ppo-seed0" in record and b"policy" in record  # the frozen policy logged as an artifact
     else:
         assert not (tmp_path / "wandb").exists()
+    assert not list(scratch.glob("SB3-*"))
 
 
 def test_aggrevate_alone_is_evaluated_on_the_held_out_prompts_once(trained, tmp_path):
