@@ -122,13 +122,15 @@ def test_random_token_counts_never_hang(ep_runs, world):
 
 
 @pytest.mark.dist
-def test_ep_run_torchrun_smoke():
-    """`torchrun -m engine.parallel.run` at the smallest budget: 2 ranks, 2 new tokens, parity OK."""
+def test_ep_run_torchrun_smoke(tmp_path):
+    """`torchrun -m engine.parallel.run` at the smallest budget: 2 ranks, 2 new tokens, parity OK (TMPDIR: the
+    elastic agent's log folder stays out of the machine's /tmp)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to this python")
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "engine.parallel.run", "new_tokens=2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**_env(), "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=WATCHDOG_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity with the single-process engine: OK" in proc.stdout
     assert "rank imbalance" in proc.stdout

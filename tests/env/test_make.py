@@ -69,7 +69,9 @@ def test_torchrun_sharded_recording(tmp_path):
     if torchrun is None:
         pytest.skip("torchrun not installed")
     out = tmp_path / "dist.npz"
-    env_vars = dict(os.environ, PYTHONPATH=str(REPO), EXPERTSPEC_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    # TMPDIR: the elastic agent's log folder stays out of the machine's /tmp
+    env_vars = dict(os.environ, PYTHONPATH=str(REPO), EXPERTSPEC_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+                    TMPDIR=str(tmp_path))  # fmt: skip
     cmd = [
         torchrun,
         "--nproc_per_node=2",
