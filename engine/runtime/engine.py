@@ -34,6 +34,7 @@ from engine.models.moe import check_expert_budget
 from engine.models.transformer import Model
 from engine.runtime.footprint import virtual_rank_loads
 from engine.runtime.frozen import load_frozen_policy
+from engine.runtime.inputs import check_request_inputs
 from engine.runtime.kv_check import check_kv_invariant
 from engine.runtime.observation import History, Observation, observe_history
 from engine.runtime.policy import Policy
@@ -172,51 +173,11 @@ class Engine:
         spec: SpecConfig | None,
         eos_token_id: int | None,
     ) -> list[SamplingParams]:
-        V = self.target.vocab_size
-        hint = {str: "a str: tokenize it first, e.g. [tokenizer.encode(text).ids]", torch.Tensor: "a tensor: pass "
-                "tensor.tolist() ([tensor.tolist()] for one 1-D prompt)"}.get(type(prompts))  # fmt: skip
-        if hint is None and isinstance(prompts, (list, tuple)) and any(isinstance(t, int) for t in prompts):
-            hint = "a flat list of ints: one prompt is [[t0, t1, ...]]"
-        if hint is not None or not isinstance(prompts, (list, tuple)) or (not prompts and self.ep is None):
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {hint or repr(prompts)[:80]}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        limit = self.target.config.max_position_embeddings
-        for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)):
-                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__} (tensor: .tolist())")
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise ValueError(f"prompt {i} must be a list of ints")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= V:
-                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {V})")
-            if len(p) + max_new_tokens > limit:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
-                    f"context length {limit}"
-                )
-        if isinstance(sampling, SamplingParams):
-            params = [sampling] * len(prompts)
-        elif isinstance(sampling, dict) or not isinstance(sampling, (list, tuple)):
-            raise TypeError(f"sampling must be an engine.SamplingParams (or a list, one per prompt), got a "
-                            f"{type(sampling).__name__}: e.g. engine.SamplingParams(**{sampling!r:.60})")  # fmt: skip
-        else:
-            params = list(sampling)
-            bad = [type(s).__name__ for s in params if not isinstance(s, SamplingParams)]
-            if len(params) != len(prompts) or bad:
-                raise ValueError(
-                    f"sampling must be one SamplingParams or a list with one per prompt "
-                    f"({len(prompts)}), got {len(params)} items" + (f" of type {bad[0]}" if bad else "")
-                )
-        if spec is not None and not isinstance(spec, SpecConfig):
-            raise TypeError(f"spec must be an engine.SpecConfig or None, got {type(spec).__name__}")
-        if spec is not None and spec.depth > 0 and self.drafter is None:
-            raise ValueError("spec.depth > 0 needs a drafter: Engine(target, drafter=...)")
-        if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < V):
-            raise ValueError(f"eos_token_id must be None or an int in [0, {V}), got {eos_token_id!r}")
-        return params
+        """The request arguments checked against this engine (engine.runtime.inputs); one SamplingParams each."""
+        return check_request_inputs(prompts, max_new_tokens, sampling, spec, eos_token_id,
+                                    vocab_size=self.target.vocab_size,
+                                    context_length=self.target.config.max_position_embeddings,
+                                    has_drafter=self.drafter is not None, allow_none=self.ep is not None)  # fmt: skip
 
     def _check_spec(self, s: SpecConfig) -> None:
         """Errors an action can only have against this engine (SpecConfig validated its own fields)."""
