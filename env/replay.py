@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -61,8 +62,9 @@ import torch
 from gymnasium import spaces
 
 from engine.drafting.acceptance import AcceptanceModel
+from engine.drafting.suffix import match_source
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.observation import OBS_DIM, History, observation_vector, observe_history
+from engine.runtime.observation import OBS_DIM, History, observation_vector, observe_history, probe_values
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
@@ -89,6 +91,21 @@ def as_cost_conf(cost: CostConf | dict | str | None) -> CostConf:
             raise ValueError(f"unknown cost fields {unknown}; CostConf has {sorted(known)}")
         return CostConf(**cost)
     raise TypeError(f"cost must be a CostConf, a dict of its fields, a kind name or None, got {type(cost).__name__}")
+
+
+def probed_sources(trace: Trace) -> list[tuple[float, float]]:
+    """Per position [P]: where the prompt lookup's match at that position comes from, (recency, in_output) of
+    engine.drafting.suffix.match_source over the prompt and the committed tokens before it — what
+    `NGramDrafter.probed_source` gives a deployed policy (the drafter's n-gram bounds from its digest)."""
+    m = re.search(r"max(\d+)-min(\d+)", str(trace.meta["drafter"].get("digest", "")))
+    hi, lo = (int(m.group(1)), int(m.group(2))) if m else (4, 1)
+    out: list[tuple[float, float]] = []
+    for i in range(trace.num_requests):
+        prompt = [int(x) for x in trace.prompt(i)]
+        tokens = prompt + [int(x) for x in trace.continuation_of(i)]
+        P = len(prompt)
+        out += [match_source(tokens[: P + t], P, hi, lo) for t in range(len(trace.positions_of(i)))]
+    return out
 
 
 def check_grid_against_trace(grid: ActionGrid, trace: Trace) -> None:
@@ -196,7 +213,8 @@ class ReplayEnv(gym.Env):
             draft = tab.draft_cost[:, plain] + cost[:, None]  # as a live round's RoundCost: (draft + verify) + book
             tab.draft_cost[:, plain] = draft
             tab.cost[:, plain] = (draft + tab.o_verify[o]) + tab.o_book[o]
-            return tab, cost.tolist(), [r.tolist() for r in rows]
+            return tab, cost.tolist(), [probe_values(r.tolist(), src) if d > 0 else r.tolist()
+                                        for r, src, d in zip(rows, probed_sources(trace), depth)]  # fmt: skip
 
         # once per tables in this process (env.shared): their key fixes the trace, the grid and the cost model
         self.tables, self._probe_cost, self._probe_rows = view(f"probe:{K},{W}", self.tables.cost, priced)

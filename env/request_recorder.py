@@ -111,6 +111,8 @@ class RequestRecorder:
         for s in seqs:
             drafter.start(s, list(prompt), target_hidden=pre.hidden)
         probe, probe_seq = getattr(drafter, "probe", None), len(seqs)  # its own sequence: no draft takes its match
+        if probe is not None:  # started like the others: the lookup's match source reads the prompt's length
+            drafter.start(probe_seq, list(prompt), target_hidden=pre.hidden)
         gen = torch.Generator().manual_seed(0)  # unused: deterministic children in greedy / position mode
         cont: list[int] = []
         rec: dict[str, list] = {

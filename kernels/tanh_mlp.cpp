@@ -33,7 +33,7 @@ namespace py = pybind11;
 namespace {
 
 constexpr const char* kCapsule = "expertspec.tanh_mlp.TanhMLP";
-constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_DIM is 46)
+constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_DIM is 48)
 constexpr int kMaxWidth = 1024;  // widest layer the stack buffers hold
 
 struct Layer {
@@ -96,9 +96,9 @@ class TanhMLP {
   // depth of the policy's calibration (none: the raw confidences fill the calibrated block).
   void set_observation(int64_t kmax, std::vector<std::vector<double>> knots_x,
                        std::vector<std::vector<double>> knots_y) {
-    if (kmax <= 0 || 4 * kmax + 14 != static_cast<int64_t>(lo_.size()))
+    if (kmax <= 0 || 4 * kmax + 16 != static_cast<int64_t>(lo_.size()))
       throw std::invalid_argument("TanhMLP: " + std::to_string(lo_.size()) + " inputs is not the observation "
-                                  "layout of kmax " + std::to_string(kmax) + " (4 kmax + 14 values)");
+                                  "layout of kmax " + std::to_string(kmax) + " (4 kmax + 16 values)");
     if (knots_x.size() != knots_y.size()) throw std::invalid_argument("TanhMLP: knots_x and knots_y differ");
     for (size_t d = 0; d < knots_x.size(); ++d)
       if (knots_x[d].size() != knots_y[d].size())
@@ -251,7 +251,7 @@ bool attr_or_default(PyObject* o, PyObject* name, bool optional, double dflt, do
   return as_double(v.p, out);
 }
 
-// observation_values(h, position=..., ..., probe=probe) into v [4 kmax + 14]; false with a Python error set.
+// observation_values(h, position=..., ..., probe=probe) into v [4 kmax + 16]; false with a Python error set.
 // `probe`: a sequence of this round's draft confidences per depth, or nullptr / None (not probed).
 bool observation_values(const TanhMLP& a, PyObject* h, long long position, long long max_new_tokens,
                         long long batch_size, long long top_k, long long num_moe_layers, PyObject* probe,
@@ -359,16 +359,31 @@ bool observation_values(const TanhMLP& a, PyObject* h, long long position, long 
   long long rounds;
   if (!attr_int(h, s_rounds, &rounds)) return false;
   v[i++] = rounds == 0 ? 1.0 : 0.0;
-  int64_t np_ = 0;  // confidence_now: the probe's first kmax depths, zero-padded
+  // confidence_now: the probe's first kmax depths, zero-padded; match_now: its values kmax, kmax + 1 when it has
+  // more than kmax (engine.runtime.observation.probe_values), else zeros
+  int64_t np_ = 0, n_all = 0;
+  PyObject** items = nullptr;
+  Ref seq(nullptr);
   if (probe != nullptr && probe != Py_None) {
-    Ref seq(PySequence_Fast(probe, "probe is not a sequence of floats"));
+    seq.p = PySequence_Fast(probe, "probe is not a sequence of floats");
     if (seq.p == nullptr) return false;
-    np_ = std::min<int64_t>(PySequence_Fast_GET_SIZE(seq.p), K);
-    PyObject** items = PySequence_Fast_ITEMS(seq.p);
+    n_all = PySequence_Fast_GET_SIZE(seq.p);
+    np_ = std::min<int64_t>(n_all, K);
+    items = PySequence_Fast_ITEMS(seq.p);
     for (int64_t d = 0; d < np_; ++d)
       if (!as_double(items[d], &v[i++])) return false;
   }
   for (int64_t d = np_; d < K; ++d) v[i++] = 0.0;
+  if (n_all > K) {
+    if (n_all < K + 2) {
+      PyErr_SetString(PyExc_ValueError, "probe values: kmax confidences then (recency, in_output)");
+      return false;
+    }
+    if (!as_double(items[K], &v[i++]) || !as_double(items[K + 1], &v[i++])) return false;
+  } else {
+    v[i++] = 0.0;
+    v[i++] = 0.0;
+  }
   return true;
 }
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import select_verified
-from engine.drafting.suffix import SuffixMatch, suffix_match, suffix_match_py
+from engine.drafting.suffix import SuffixMatch, match_source, suffix_match, suffix_match_py
 from engine.drafting.tree_growth import _node_budget, kept_by_score, stored_cond
 from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
@@ -39,6 +39,8 @@ class NGramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self._probed: dict[int, tuple[int, int, int, SuffixMatch]] = {}  # seq -> (len(tokens), depth, width, match)
+        self._prompt_len: dict[int, int] = {}  # seq -> its prompt's length (`start`)
+        self._source: dict[int, tuple[float, float]] = {}  # seq -> its last probe's match source
         lookup.native()  # load (or build) the C++ lookup now, never inside a timed round
 
     predicts_experts = False  # no expert predictor: λ > 0 is refused by the engine
@@ -51,9 +53,12 @@ class NGramDrafter:
 
     def start(self, seq_id: int, tokens: list[int], target_hidden: torch.Tensor | None = None) -> None:
         self._probed.pop(seq_id, None)
+        self._prompt_len[seq_id] = len(tokens)
 
     def finish(self, seq_id: int) -> None:
         self._probed.pop(seq_id, None)
+        self._prompt_len.pop(seq_id, None)
+        self._source.pop(seq_id, None)
 
     def commit(self, seq_id, tokens, tree, accepted, target_hidden=None) -> None:
         self._probed.pop(seq_id, None)
@@ -67,7 +72,12 @@ class NGramDrafter:
         wider one's first continuations, and a shallower draft cuts them)."""
         if depth <= 0 or width <= 0:
             self._probed.pop(seq_id, None)
+            self._source.pop(seq_id, None)
             return []
+        # where the match comes from (engine.drafting.suffix.match_source; `probed_source`); the prompt's length
+        # from `start` (unknown: all of `tokens` counts as prompt)
+        self._source[seq_id] = match_source(tokens, self._prompt_len.get(seq_id, len(tokens)), self.max_ngram,
+                                            self.min_ngram)  # fmt: skip
         fns = lookup.native()
         if fns is not None:  # the match and the confidence below in one C++ call (kernels.lookup: same values)
             conf, *found = fns[1](tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth),
@@ -75,6 +85,10 @@ class NGramDrafter:
             self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(*found))
             return conf
         return self.probe_py(seq_id, tokens, depth, width)
+
+    def probed_source(self, seq_id: int) -> tuple[float, float]:
+        """(recency, in_output) of the lookup's match found by this sequence's last `probe` ((0, 0): none)."""
+        return self._source.get(seq_id, (0.0, 0.0))
 
     def probe_py(self, seq_id: int, tokens: list[int], depth: int, width: int) -> list[float]:
         """`probe` in Python (depth, width > 0): the C++ one's reference twin."""

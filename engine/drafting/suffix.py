@@ -4,6 +4,7 @@ asks it for every drafted node, engine.drafting.acceptance)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +67,35 @@ def suffix_match_py(
         if best:
             return SuffixMatch([c[:depth] for c in best.values()], n, followers)
     return SuffixMatch([], 0, {})
+
+
+def match_source(tokens: Sequence[int], prompt_len: int, max_ngram: int = 4, min_ngram: int = 1) -> tuple[float, float]:
+    """Where the prompt lookup's match comes from: (recency, in_output) of the most recent earlier occurrence of the
+    longest suffix of `tokens` (n = max_ngram .. min_ngram) followed by at least one token — recency
+    1 − min(log2(d + 1), 8) / 8 where d tokens separate its end from the end of `tokens`, in_output 1 when its
+    continuation starts past the first `prompt_len` tokens (the model's own output), (0, 0) without a match.
+
+    What the draft's confidence does not say: a small greedy model repeating its own recent output is accepted far
+    more often than one copying its prompt (README, Results, session of 2026-12-06 e)."""
+    T = len(tokens)
+    if T < 2:
+        return 0.0, 0.0
+    last, cap = tokens[T - 1], min(max_ngram, T - 1)
+    best_n, best_e = 0, -1
+    for e in range(T - 2, -1, -1):  # most recent first; a longer match wins, a tie keeps the more recent one
+        if tokens[e] != last:
+            continue
+        n = 1
+        while n < cap and n <= e and tokens[e - n] == tokens[T - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_e = n, e
+            if n == cap:
+                break
+    if best_n < min_ngram:
+        return 0.0, 0.0
+    d = T - 1 - best_e
+    return 1.0 - min(math.log2(d + 1), 8.0) / 8.0, 1.0 if best_e + 1 >= prompt_len else 0.0
 
 
 def suffix_continuations(

@@ -27,11 +27,17 @@ Vector layout (`Observation.vector()`, float32, Kmax = `KMAX`; all entries bound
     3K+13             first_round               1 before the first round, else 0
     3K+14 .. 4K+13    confidence_now[d]         this round's draft confidence per depth, probed before the choice
                                                 (0 = not probed: a drafter without `probe`, or none asked for)
+    4K+14             match_recency             the probed lookup match's recency, 1 − log2(d + 1) / 8 for a match
+                                                ending d tokens back (engine.drafting.suffix.match_source; 0: none)
+    4K+15             match_in_output           1 when that match's continuation lies in the generated tokens
 
 `confidence_now` is DESIGN.md §3's "draft confidence of this round": a drafter whose proposals cost next to nothing
 (the prompt lookup, `NGramDrafter.probe`) drafts the round's widest, deepest tree of the policy's grid before the
 policy chooses, and the round then drafts from that probe (the lookup keeps its match), so a round pays for it once;
-a round that then drafts nothing still pays the probe (the trace's `probe_seconds`, env.replay).
+a round that then drafts nothing still pays the probe (the trace's `probe_seconds`, env.replay). A probe's values
+(`probe=` below) are its confidences per depth, or `probe_values(confidences, source)`: the confidences padded to
+Kmax, then the match's (recency, in_output) (`NGramDrafter.probed_source`; a small greedy model repeating its own
+recent output is accepted far more often than one copying its prompt, README Results, session 2026-12-06 e).
 
 `OBS_SIGNATURE` names this layout; a frozen policy stores it and refuses another layout.
 """
@@ -57,10 +63,11 @@ OBS_FIELDS = (
     + ["footprint_frac", "new_pairs_per_node", "overlap_prev", "rank_imbalance", "cross_node_ratio"]
     + ["utility_last", "utility_ema", "cost_ratio_last", "position_frac", "batch_size", "depth_last", "first_round"]
     + [f"confidence_now_{d}" for d in range(1, KMAX + 1)]
+    + ["match_recency", "match_in_output"]
 )
 OBS_DIM = len(OBS_FIELDS)
-# v2: a one-token round's overlap is not observed (engine.runtime.round_record)
-OBS_SIGNATURE = "expertspec-obs-v2:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
+# v2: a one-token round's overlap is not observed (engine.runtime.round_record); v3: the probed match's source
+OBS_SIGNATURE = "expertspec-obs-v3:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
 
 Calibration = Callable[[float, int], float]  # (raw confidence, depth 1..K) -> P(accepted)
 
@@ -97,6 +104,7 @@ class Observation:
     top_k: int = 0  # routing top-r of the target (0 = dense / unknown)
     num_moe_layers: int = 0
     confidence_now: tuple[float, ...] = (0.0,) * KMAX  # [KMAX] this round's probed draft confidence (0: none)
+    match_now: tuple[float, float] = (0.0, 0.0)  # the probed match's (recency, in_output); (0, 0): none / not probed
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -125,6 +133,7 @@ class Observation:
             self.depth_last / KMAX,
             1.0 if self.round_index == 0 else 0.0,
             *self.confidence_now,
+            *self.match_now,
         ]
         x = np.asarray(v, dtype=np.float32)
         return np.minimum(np.maximum(x, 0.0, out=x), 1.0, out=x)  # np.clip, without its ~2 µs wrapper
@@ -136,6 +145,18 @@ BOUNDS = (0.0, 1.0)  # every vector entry is clipped into this box
 def _pad(xs: Sequence[float], fill: float = 0.0) -> tuple[float, ...]:
     xs = [float(x) for x in list(xs)[:KMAX]]
     return tuple(xs + [fill] * (KMAX - len(xs)))
+
+
+def probe_values(confidence: Sequence[float], source: Sequence[float]) -> list[float]:
+    """A probe's values: its draft confidence per depth padded to KMAX, then its match's (recency, in_output)."""
+    return [*_pad(confidence), float(source[0]), float(source[1])]
+
+
+def _probe_parts(probe: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, float]]:
+    """(confidence_now [KMAX], match_now) of a probe's values: confidences alone, or `probe_values`."""
+    if len(probe) > KMAX:
+        return _pad(probe), (float(probe[KMAX]), float(probe[KMAX + 1]))
+    return _pad(probe), (0.0, 0.0)
 
 
 def round_cost(stats: Any) -> tuple[float, float]:
@@ -224,7 +245,9 @@ def observation_values(
     v.append(math.log2(max(batch_size, 1)) / 8.0)
     v.append(depth / KMAX)
     v.append(1.0 if h.rounds == 0 else 0.0)
-    v += _pad(probe)
+    conf, source = _probe_parts(probe)
+    v += conf
+    v += source
     return v
 
 
@@ -269,7 +292,8 @@ def observe_history(
     probe: Sequence[float] = (),
 ) -> Observation:
     """`observe` from a running History (same result as folding its rounds again). `probe`: this round's draft
-    confidence per depth (`confidence_now`; empty: not probed)."""
+    confidence per depth (`confidence_now`; empty: not probed), or its `probe_values`."""
+    conf_now, match_now = _probe_parts(probe)
     common = dict(
         acceptance_ema=tuple(h.acc),
         attempts_by_depth=tuple(h.tries),
@@ -283,7 +307,8 @@ def observe_history(
         request_id=request_id,
         top_k=top_k,
         num_moe_layers=num_moe_layers,
-        confidence_now=_pad(probe),
+        confidence_now=conf_now,
+        match_now=match_now,
     )
     if h.last is None:
         return Observation(**common)

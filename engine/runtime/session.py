@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from engine.models.kv_cache import KVCacheFull
-from engine.runtime.observation import History, Observation, observation_values
+from engine.runtime.observation import KMAX, History, Observation, observation_values, probe_values
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
@@ -163,7 +163,8 @@ class Session:
     def probe(self, request_id: int, depth: int, width: int) -> list[float]:
         """This round's draft confidence per depth of request `request_id` from the drafter's `probe` (a tree of at
         most `depth` — and never past the request's token budget, as drafting — and `width`), before its action is
-        chosen; [] when the drafter has none or nothing can be drafted. Timed into the round's
+        chosen, with a drafter that has `probed_source` its `probe_values` (then the match's source); [] when the
+        drafter has no probe or nothing can be drafted. Timed into the round's
         `RoundStats.probe_seconds`; the drafter keeps what it found for this round's draft (NGramDrafter.probe)."""
         r = self.requests[request_id]
         fn = getattr(self.engine.drafter, "probe", None)
@@ -172,6 +173,9 @@ class Session:
             return []
         t0 = time.perf_counter()
         out = fn(r.index, r.tokens, depth, int(width))
+        source = getattr(self.engine.drafter, "probed_source", None)
+        # the lookup's: where its match comes from, after the confidences (more than KMAX values: probe values)
+        out = probe_values(out, source(r.index)) if source is not None else list(out)[:KMAX]
         self._probe_seconds[r.index] = self._probe_seconds.get(r.index, 0.0) + time.perf_counter() - t0
         return out
 

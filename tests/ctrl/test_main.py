@@ -144,9 +144,11 @@ def test_main_job_with_the_prompt_lookup_drafter(tmp_path):
 def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
     """The lookup job's learned policy observes the probe (`confidence_now`): deployed in the engine, the session
     probes the tree its card names before every choice, the probe equals the trace's recorded confidence at that
-    position (what replay observed), the session's one native call decides as `act` on the Observation, and greedy
-    output equals target-only output."""
+    position (what replay observed) with the match source replay computes from the trace's tokens, the session's one
+    native call decides as `act` on the Observation, and greedy output equals target-only output."""
+    from engine.runtime.observation import KMAX
     from env.models import load_models
+    from env.replay import probed_sources
     from env.trace import load_trace
 
     path = next((run / "policies" / "measured-cpu" / "aggrevate").glob("seed*"))
@@ -156,6 +158,7 @@ def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
     target, drafter, _ = load_models("tiny-moe", "ngram", None)
     eng = engine.Engine(target, drafter=drafter, calibration=policy.calibration, acceptance=policy.acceptance)
     req = trace.num_requests - 1  # a held-out request
+    sources = probed_sources(trace)
     prompt, n_new = trace.prompt(req).tolist(), len(trace.continuation_of(req))
     sess = eng.start([prompt], n_new, policy=policy)
     probes = 0
@@ -165,7 +168,11 @@ def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
         probe = sess.probe(0, *policy.probe)
         p = trace.positions_of(req).start + t
         want = trace.confidence[p, trace.widths.index(2), : policy.probe[0]]
-        assert np.array_equal(np.float32(probe + [0.0] * (len(want) - len(probe))), want), t
+        if probe:  # the probe's values: its confidences padded to KMAX, then where its match comes from
+            assert np.array_equal(np.float32(probe[: len(want)]), want) and not any(probe[len(want) : KMAX]), t
+            assert probe[KMAX:] == list(sources[p]), t
+        else:
+            assert not want.any(), t
         probes += bool(probe)
         assert sess._choose(r) == policy.act(sess.observation(0, probe))
         sess.step()

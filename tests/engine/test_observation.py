@@ -12,6 +12,7 @@ from engine.runtime.observation import (
     observation_values,
     observation_vector,
     observe_history,
+    probe_values,
 )
 from engine.runtime.stats import RoundStats
 from engine.spec.calibration import IsotonicCalibration
@@ -46,11 +47,17 @@ CAL = IsotonicCalibration(((0.0, 0.5, 1.0),) * 3, ((0.1, 0.4, 1.3),) * 3)  # end
 
 
 def _probe(rng: np.random.Generator) -> list[float]:
-    """A probe's confidence per depth: none, shorter than KMAX, deeper than KMAX (the first KMAX kept), numpy
-    float32 scalars as the lookup gives, values outside [0, 1] (clipped)."""
-    n = int(rng.choice([0, 3, KMAX, KMAX + 2]))
+    """A probe's values: its confidence per depth (none, shorter than KMAX, KMAX) alone or as `probe_values` with a
+    match source; numpy float32 scalars as the lookup gives, values outside [0, 1] (clipped)."""
+    n = int(rng.choice([0, 3, KMAX]))
     raw = rng.normal(0.5, 0.5, n)
-    return list(raw.astype(np.float32)) if rng.random() < 0.5 else [float(x) for x in raw]
+    conf = list(raw.astype(np.float32)) if rng.random() < 0.5 else [float(x) for x in raw]
+    return probe_values(conf, (float(rng.random()), float(rng.integers(0, 2)))) if rng.random() < 0.5 else conf
+
+
+def _probe_parts(probe: list[float]) -> tuple[list[float], list[float]]:
+    """(confidences, match source) a probe's values stand for."""
+    return (list(probe[:KMAX]), list(probe[KMAX:])) if len(probe) > KMAX else (list(probe), [0.0, 0.0])
 
 
 @pytest.mark.parametrize("calibration", [None, CAL, lambda c, d: 2 * c - 0.2 * d])
@@ -66,8 +73,10 @@ def test_observation_vector_equals_the_observation_s(calibration):
                    probe=_probe(rng))  # fmt: skip
         v = observation_vector(h, **ctx)
         ref = observe_history(h, prompt_len=7, request_id=3, **ctx).vector()
-        n = min(len(ctx["probe"]), KMAX)
-        assert np.array_equal(v[-KMAX:][:n], np.clip(np.float32(ctx["probe"][:n]), 0, 1)) and not v[-KMAX:][n:].any()
+        conf, source = _probe_parts(ctx["probe"])
+        now = v[-KMAX - 2 : -2]
+        assert np.array_equal(now[: len(conf)], np.clip(np.float32(conf), 0, 1)) and not now[len(conf) :].any()
+        assert np.array_equal(v[-2:], np.float32(source))
         assert v.dtype == np.float32 and v.shape == (OBS_DIM,)
         assert np.array_equal(v, ref), (trial, np.flatnonzero(v != ref))
 

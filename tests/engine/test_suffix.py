@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -168,3 +169,57 @@ def test_suffix_match_scans_only_the_last_token_s_occurrences_with_the_same_resu
         args = (rng.randrange(0, 9), rng.randrange(1, 4), rng.randrange(1, 5))
         kw = dict(min_ngram=rng.randrange(1, args[2] + 1), select_depth=rng.choice([None, 8, 16]))
         assert suffix_match(tokens, *args, **kw) == _reference_match(tokens, *args, **kw), (tokens, args, kw)
+
+
+def _match_source_reference(tokens: list[int], prompt_len: int, max_ngram: int = 4) -> tuple[float, float]:
+    """The definition, scanned plainly: per n from the longest down, the most recent earlier occurrence."""
+    import math
+
+    T = len(tokens)
+    for n in range(min(max_ngram, T - 1), 0, -1):
+        for e in range(T - 2, n - 2, -1):
+            if tokens[e - n + 1 : e + 1] == tokens[T - n :]:
+                return 1.0 - min(math.log2(T - 1 - e + 1), 8.0) / 8.0, float(e + 1 >= prompt_len)
+    return 0.0, 0.0
+
+
+def test_match_source_known_answers_and_the_reference_scan():
+    """(recency, in_output) of the longest recurring suffix's most recent occurrence: known answers, then 5,000
+    random sequences against the plain scan."""
+    from engine.drafting.suffix import match_source
+
+    assert match_source([5], 0) == (0.0, 0.0)
+    assert match_source([1, 2, 3], 3) == (0.0, 0.0)  # nothing recurs
+    # "1 2" recurs, ending at index 1 (d = 3 tokens back); its continuation (index 2) lies in the prompt (length 4)
+    assert match_source([1, 2, 9, 1, 2], 4) == (0.75, 0.0)
+    assert match_source([1, 2, 9, 1, 2], 2) == (0.75, 1.0)  # ... in the output
+    # a longer match further back wins over a shorter recent one: "7 1 2" at the start beats "2" just before
+    assert match_source([7, 1, 2, 5, 2, 7, 1, 2], 8)[0] == 1.0 - math.log2(6) / 8
+    rng = random.Random(0)
+    for _ in range(5000):
+        toks = [rng.randrange(rng.randint(2, 6)) for _ in range(rng.randint(1, 40))]
+        P = rng.randint(0, len(toks))
+        assert match_source(toks, P) == _match_source_reference(toks, P), (toks, P)
+
+
+def test_ngram_probe_reports_its_match_source_from_the_prompt_length_of_start():
+    """NGramDrafter.probed_source = match_source(tokens, the length `start` saw) after each probe; (0, 0) before a
+    probe, after one that drafts nothing, and after `finish`."""
+    from engine.drafting.ngram import NGramDrafter
+    from engine.drafting.suffix import match_source
+
+    d = NGramDrafter(16)
+    prompt = [1, 2, 3, 4, 1, 2]
+    d.start(0, prompt)
+    assert d.probed_source(0) == (0.0, 0.0)
+    tokens = prompt + [3, 4, 1]
+    d.probe(0, tokens, 4, 2)
+    assert d.probed_source(0) == match_source(tokens, len(prompt)) and d.probed_source(0)[0] > 0
+    tokens += [2, 3]
+    d.probe(0, tokens, 4, 2)
+    assert d.probed_source(0) == match_source(tokens, len(prompt)) == (1.0 - math.log2(5) / 8, 1.0)
+    d.probe(0, tokens, 0, 2)
+    assert d.probed_source(0) == (0.0, 0.0)
+    d.probe(0, tokens, 4, 2)
+    d.finish(0)
+    assert d.probed_source(0) == (0.0, 0.0)

@@ -194,9 +194,11 @@ def test_replay_equals_live_with_the_prompt_lookup_drafter(ngram_models, ngram_t
 
 def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
     """probe=True: the observation's `confidence_now` (the engine's Session.probe of tree(Kmax, max W) before the
-    choice) is what replay reads from the trace, and a round that then drafts nothing pays the probe's price in both
+    choice) is what replay reads from the trace, its `match_now` what replay computes from the trace's tokens
+    (probed_sources), both equal to live's; and a round that then drafts nothing pays the probe's price in both
     (K = 0 rounds dearer than without the probe, drafted rounds not)."""
     from engine.runtime.observation import KMAX
+    from env.replay import probed_sources
 
     trace = ngram_trace
     cost = COSTS["roofline-qwen3-30b"]
@@ -213,15 +215,20 @@ def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
         ]
         for name, action in policies:
             _same_episodes(replay, live, trace, name, [action], tol=(1e-6, 1e-7, 1e-6))
-        probed = 0
+        probed = found = 0
+        sources = probed_sources(trace)
         for req in range(trace.num_requests):
             obs, _ = replay.reset(options={"request": req})
             plain.reset(options={"request": req})
             while True:
                 p, t = replay.current_position, replay.position
                 row = trace.confidence[p, trace.widths.index(3), :KMAX]
-                assert np.array_equal(obs[-KMAX:], np.clip(row, 0, 1)), (req, p)
+                assert np.array_equal(obs[-KMAX - 2 : -2], np.clip(row, 0, 1)), (req, p)
+                # then where the lookup's match comes from (none where nothing could be drafted: no probe)
+                source = sources[p] if trace.meta["max_new_tokens"] - t - 1 > 0 else (0.0, 0.0)
+                assert np.array_equal(obs[-2:], np.float32(source)), (req, p)
                 probed += bool(row.any())
+                found += source[0] > 0
                 obs, _, term, trunc, info = replay.step(SpecConfig(depth=0))
                 _, _, _, _, ref = plain.step(SpecConfig(depth=0))
                 if trace.meta["max_new_tokens"] - t - 1 > 0:  # a probe (none where nothing could be drafted)
@@ -231,7 +238,7 @@ def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
                 assert info["cost_draft"] == pytest.approx(info["cost"] - ref["cost"] + ref["cost_draft"])
                 if term or trunc:
                     break
-        assert probed > 0
+        assert probed > 0 and found > 0
         drafted = replay.codec.encode((3, 1, 0, 0))  # K = 4, W = 2: the probe's match is its drafting's
         replay.reset(options={"request": 0})
         plain.reset(options={"request": 0})
