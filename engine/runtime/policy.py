@@ -14,7 +14,8 @@ it, `calibration` the engine's): the frozen learned policy (`engine.runtime.froz
 
 A policy with a `probe` attribute (depth, width) observes this round's draft before choosing: the session first asks
 the drafter's `probe` for the draft confidence per depth of a tree of that shape (`Session.probe`; drafters without
-one give none) and passes it as the observation's `confidence_now` (`probe=` of the calls above).
+one give none) and passes it as the observation's `confidence_now` (`probe=` of the calls above); with a drafter that
+has `probed_source` (the prompt lookup) the probe's values carry where its match comes from too (`match_now`).
 """
 
 from __future__ import annotations
