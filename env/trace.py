@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 5  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position;
+FORMAT_VERSION = 6  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position;
 # 4: the timed live one-token rounds record no routing (Engine plain_routing); 5: the timed probe finds the lookup
-# match's source too (NGramDrafter.probed_source)
+# match's source too (NGramDrafter.probed_source); 6: ... in the same C++ call as the match (kernels.lookup)
 FORMAT_NAME = "expertspec-trace"
 
 # array name -> (dtype, per-what); the whole schema, checked on load

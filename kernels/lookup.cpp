@@ -1,5 +1,6 @@
-// Prompt lookup on CPU in one call: the suffix match of engine.drafting.suffix.suffix_match, and the probe of
-// engine.drafting.ngram.NGramDrafter.probe (the match plus this round's draft confidence per depth).
+// Prompt lookup on CPU in one call: the suffix match of engine.drafting.suffix.suffix_match, the match's source of
+// engine.drafting.suffix.match_source, and the probe of engine.drafting.ngram.NGramDrafter.probe (the match, this
+// round's draft confidence per depth and the match's source).
 //
 // Both are reference twins of the Python code (same continuations, n-gram length, followers in the same order, and
 // the same float32-rounded confidences bit for bit: tests/kernels/test_lookup.py). Why in C++: a lookup round is a
@@ -11,6 +12,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -33,6 +35,7 @@ struct Match {
   std::vector<long long> follower;  // tokens that followed the matched n-gram, in the order they were met
   std::vector<long long> count;  // how often each did
   int ngram = 0;
+  Py_ssize_t recent_end = -1;  // the end of the most recent earlier occurrence of the matched n-gram (-1: none)
 };
 
 bool read_tokens(PyObject* obj, std::vector<long long>* out) {
@@ -63,12 +66,14 @@ void search(const std::vector<long long>& t, long long width, long long max_ngra
     m->best.clear();
     m->follower.clear();
     m->count.clear();
+    m->recent_end = -1;
     for (Py_ssize_t e : ends) {
       const Py_ssize_t start = e - n + 1;
       if (start < 0) continue;
       bool same = true;
       for (Py_ssize_t j = 0; j < n - 1 && same; ++j) same = t[start + j] == t[T - n + j];  // t[e] == last already
       if (!same) continue;
+      if (m->recent_end < 0) m->recent_end = e;  // ends are latest first
       const Py_ssize_t from = start + n;
       const Py_ssize_t len = std::min<Py_ssize_t>(static_cast<Py_ssize_t>(cap), T - from);
       const long long first = t[from];
@@ -95,6 +100,20 @@ void search(const std::vector<long long>& t, long long width, long long max_ngra
   m->follower.clear();
   m->count.clear();
   m->ngram = 0;
+  m->recent_end = -1;
+}
+
+// match_source's (recency, in_output) of a search's match: 1 - min(log2(d + 1), 8) / 8 for the d tokens between the
+// end of its most recent earlier occurrence and the end of `tokens`, and whether its continuation starts past the
+// first `prompt_len` tokens; (0, 0) without a match. Python's arithmetic (its math.log2 is libm's log2).
+void source(const Match& m, Py_ssize_t T, long long prompt_len, double* recency, double* in_output) {
+  if (m.ngram == 0 || m.recent_end < 0) {
+    *recency = *in_output = 0.0;
+    return;
+  }
+  const double d = static_cast<double>(T - 1 - m.recent_end);
+  *recency = 1.0 - std::min(std::log2(d + 1.0), 8.0) / 8.0;
+  *in_output = m.recent_end + 1 >= prompt_len ? 1.0 : 0.0;
 }
 
 // (continuations cut to `depth`, ngram, followers {token: count}) as Python objects
@@ -144,13 +163,26 @@ PyObject* raw_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return as_python(t, m, a[0]);
 }
 
-// probe(tokens, depth, width, max_ngram, min_ngram, cap, node_budget) -> (confidence per depth, continuations, ngram,
-// followers): NGramDrafter.probe's confidence — per depth the best conditional score of the nodes the node budget
-// keeps, each continuation's first tokens in order — rounded to float32.
-PyObject* raw_probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  long long a[6];  // depth, width, max_ngram, min_ngram, cap, node_budget
+// source(tokens, prompt_len, max_ngram, min_ngram) -> (recency, in_output): engine.drafting.suffix.match_source
+PyObject* raw_source(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long long a[3];  // prompt_len, max_ngram, min_ngram
   std::vector<long long> t;
-  if (!int_args("probe", args, nargs, 7, a) || !read_tokens(args[0], &t)) return nullptr;
+  if (!int_args("source", args, nargs, 4, a) || !read_tokens(args[0], &t)) return nullptr;
+  Match m;
+  if (t.size() >= 2) search(t, 1, a[1], a[2], 1, &m);
+  double rec, out;
+  source(m, static_cast<Py_ssize_t>(t.size()), a[0], &rec, &out);
+  return Py_BuildValue("(dd)", rec, out);
+}
+
+// probe(tokens, depth, width, max_ngram, min_ngram, cap, node_budget, prompt_len) -> (confidence per depth,
+// continuations, ngram, followers, recency, in_output): NGramDrafter.probe's confidence — per depth the best
+// conditional score of the nodes the node budget keeps, each continuation's first tokens in order — rounded to
+// float32, and the match's source (`source`; (0, 0) when depth <= 0, as no match is searched then).
+PyObject* raw_probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long long a[7];  // depth, width, max_ngram, min_ngram, cap, node_budget, prompt_len
+  std::vector<long long> t;
+  if (!int_args("probe", args, nargs, 8, a) || !read_tokens(args[0], &t)) return nullptr;
   Match m;
   if (a[0] > 0 && t.size() >= 2) search(t, a[1], a[2], a[3], a[4], &m);
   long long total = 0;
@@ -183,16 +215,20 @@ PyObject* raw_probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   Ref rest(as_python(t, m, a[0]));
   if (rest.p == nullptr) return nullptr;
-  return Py_BuildValue("(OOOO)", conf.p, PyTuple_GET_ITEM(rest.p, 0), PyTuple_GET_ITEM(rest.p, 1),
-                       PyTuple_GET_ITEM(rest.p, 2));
+  double rec, out;
+  source(m, static_cast<Py_ssize_t>(t.size()), a[6], &rec, &out);
+  return Py_BuildValue("(OOOOdd)", conf.p, PyTuple_GET_ITEM(rest.p, 0), PyTuple_GET_ITEM(rest.p, 1),
+                       PyTuple_GET_ITEM(rest.p, 2), rec, out);
 }
 
 PyMethodDef kMethods[] = {
     {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_match)), METH_FASTCALL,
      "match(tokens, depth, width, max_ngram, min_ngram, cap) -> (continuations, ngram, followers)"},
     {"probe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_probe)), METH_FASTCALL,
-     "probe(tokens, depth, width, max_ngram, min_ngram, cap, node_budget) -> (confidence, continuations, ngram, "
-     "followers)"},
+     "probe(tokens, depth, width, max_ngram, min_ngram, cap, node_budget, prompt_len) -> (confidence, continuations, "
+     "ngram, followers, recency, in_output)"},
+    {"source", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_source)), METH_FASTCALL,
+     "source(tokens, prompt_len, max_ngram, min_ngram) -> (recency, in_output)"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define EXPERTSPEC_STR_(x) #x

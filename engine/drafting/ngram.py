@@ -9,7 +9,7 @@ import torch
 
 from engine.drafting.protocol import MAX_TREE_NODES, DraftRequest
 from engine.drafting.selection import select_verified
-from engine.drafting.suffix import SuffixMatch, match_source, suffix_match, suffix_match_py
+from engine.drafting.suffix import SuffixMatch, match_source_py, suffix_match, suffix_match_py
 from engine.drafting.tree_growth import _node_budget, kept_by_score, stored_cond
 from engine.spec.config import MAX_DEPTH, SpecConfig
 from engine.spec.draft_tree import DraftTree
@@ -76,13 +76,13 @@ class NGramDrafter:
             return []
         # where the match comes from (engine.drafting.suffix.match_source; `probed_source`); the prompt's length
         # from `start` (unknown: all of `tokens` counts as prompt)
-        self._source[seq_id] = match_source(tokens, self._prompt_len.get(seq_id, len(tokens)), self.max_ngram,
-                                            self.min_ngram)  # fmt: skip
+        prompt_len = self._prompt_len.get(seq_id, len(tokens))
         fns = lookup.native()
-        if fns is not None:  # the match and the confidence below in one C++ call (kernels.lookup: same values)
-            conf, *found = fns[1](tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth),
-                                  MAX_TREE_NODES)  # fmt: skip
-            self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(*found))
+        if fns is not None:  # the match, the confidence below and the source in one C++ call (kernels.lookup)
+            conf, conts, ngram, followers, *source = fns[1](tokens, depth, width, self.max_ngram, self.min_ngram,
+                                                            max(MAX_DEPTH, depth), MAX_TREE_NODES, prompt_len)  # fmt: skip
+            self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(conts, ngram, followers))
+            self._source[seq_id] = tuple(source)
             return conf
         return self.probe_py(seq_id, tokens, depth, width)
 
@@ -92,6 +92,8 @@ class NGramDrafter:
 
     def probe_py(self, seq_id: int, tokens: list[int], depth: int, width: int) -> list[float]:
         """`probe` in Python (depth, width > 0): the C++ one's reference twin."""
+        prompt_len = self._prompt_len.get(seq_id, len(tokens))
+        self._source[seq_id] = match_source_py(tokens, prompt_len, self.max_ngram, self.min_ngram)
         match = suffix_match_py(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
         self._probed[seq_id] = (len(tokens), depth, width, match)
         # the growth confidence `_grow` would give, without growing: per depth the best score of the nodes the

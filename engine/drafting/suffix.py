@@ -76,7 +76,20 @@ def match_source(tokens: Sequence[int], prompt_len: int, max_ngram: int = 4, min
     continuation starts past the first `prompt_len` tokens (the model's own output), (0, 0) without a match.
 
     What the draft's confidence does not say: a small greedy model repeating its own recent output is accepted far
-    more often than one copying its prompt (README, Results, session of 2026-12-06 e)."""
+    more often than one copying its prompt (README, Results, session of 2026-12-06 e). Runs in C++ (kernels.lookup)
+    when it is built; `match_source_py` is its reference twin."""
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"match_source: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    fns = lookup.native()
+    if fns is None:
+        return match_source_py(tokens, prompt_len, max_ngram, min_ngram)
+    return fns[2](tokens, prompt_len, max_ngram, min_ngram)
+
+
+def match_source_py(
+    tokens: Sequence[int], prompt_len: int, max_ngram: int = 4, min_ngram: int = 1
+) -> tuple[float, float]:
+    """`match_source` in Python (the C++ one's reference twin)."""
     T = len(tokens)
     if T < 2:
         return 0.0, 0.0

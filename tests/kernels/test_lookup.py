@@ -1,6 +1,6 @@
-"""The C++ prompt lookup (kernels.lookup) against its Python reference twins: engine.drafting.suffix.suffix_match_py
-and NGramDrafter.probe_py — the same continuations, n-gram length, followers in the same order, and the same float32
-confidences."""
+"""The C++ prompt lookup (kernels.lookup) against its Python reference twins: engine.drafting.suffix.suffix_match_py,
+engine.drafting.suffix.match_source_py and NGramDrafter.probe_py — the same continuations, n-gram length, followers
+in the same order, the same float32 confidences and the same match sources."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from engine.drafting.ngram import NGramDrafter
 from engine.drafting.protocol import MAX_TREE_NODES
-from engine.drafting.suffix import suffix_match, suffix_match_py
+from engine.drafting.suffix import match_source, match_source_py, suffix_match, suffix_match_py
 from engine.spec.config import MAX_DEPTH
 from kernels import lookup
 
@@ -38,14 +38,31 @@ def test_match_equals_its_python_twin():
         assert _fields(got) == _fields(want), (tokens, depth, width, max_ngram, min_ngram, sel)
 
 
+def test_match_source_equals_its_python_twin():
+    rng = random.Random(4)
+    seen = set()
+    for tokens, _, _, max_ngram, min_ngram in _cases(5):
+        prompt_len = rng.randrange(0, len(tokens) + 2)
+        got = match_source(tokens, prompt_len, max_ngram, min_ngram)
+        assert got == match_source_py(tokens, prompt_len, max_ngram, min_ngram), (tokens, prompt_len, max_ngram)
+        seen.add(got[1])
+    assert seen == {0.0, 1.0}  # matches in the prompt and in the output both met
+
+
 def test_probe_equals_its_python_twin_and_keeps_the_same_match():
+    rng = random.Random(6)
     for tokens, depth, width, max_ngram, min_ngram in _cases(2):
         if depth <= 0 or width <= 0:
             continue
         fast, slow = NGramDrafter(64, max_ngram, min_ngram), NGramDrafter(64, max_ngram, min_ngram)
+        prompt = tokens[: rng.randrange(0, len(tokens) + 1)]
+        fast.start(0, prompt)
+        slow.start(0, prompt)
         assert fast.probe(0, tokens, depth, width) == slow.probe_py(0, tokens, depth, width), (tokens, depth, width)
         (n1, d1, w1, m1), (n2, d2, w2, m2) = fast._probed[0], slow._probed[0]
         assert (n1, d1, w1, _fields(m1)) == (n2, d2, w2, _fields(m2))
+        assert fast.probed_source(0) == slow.probed_source(0) == match_source_py(tokens, len(prompt), max_ngram,
+                                                                                 min_ngram)  # fmt: skip
 
 
 def test_probe_respects_the_node_budget(monkeypatch):
@@ -61,13 +78,17 @@ def test_probe_respects_the_node_budget(monkeypatch):
 
 
 def test_bad_tokens_and_arguments_raise():
-    match, probe = lookup.native()
+    match, probe, source = lookup.native()
     with pytest.raises(TypeError):
         match([1, "a", 1], 2, 1, 4, 1, 2)
     with pytest.raises(TypeError):
         match(5, 2, 1, 4, 1, 2)
     with pytest.raises(TypeError):
-        probe([1, 2, 1], 2, 1, 4, 1)
+        probe([1, 2, 1], 2, 1, 4, 1, 2, 8)  # no prompt length
+    with pytest.raises(TypeError):
+        source([1, 2, 1], 3, 4)
+    with pytest.raises(ValueError, match="min_ngram"):
+        match_source([1, 2, 1], 3, 2, 3)
 
 
 def test_switched_off_by_the_environment(switched_off):
