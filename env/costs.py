@@ -11,8 +11,9 @@ Cost models (`make_cost_model`, `CostConf.kind`):
   two-regime linear fit of target seconds (fixed + per token + per active expert + per layer·context), the
   drafter's fitted seconds (engine.cost.drafter_cost.FittedDrafterCost) and the engine's host work per round,
   T_book (engine.cost.host_cost). Verification (n >= 2) is fitted to the recorder's timed forwards; the
-  single-token forward (n = 1, and T_AR's, a target-only engine's), the drafting and the host work to the
-  timed live rounds at batch 1 (env.host_calibration), which run the engine's own code paths.
+  single-token forward (n = 1: a K = 0 round's and T_AR's, one fit to both engines' rounds, robust to timing
+  spikes: engine.cost.fitted.fit_cost_model_robust), the drafting and the host work to the timed live rounds at
+  batch 1 (env.host_calibration), which run the engine's own code paths.
 - "roofline-offload" (env.cost_offload): the roofline with the routed experts in host memory and a per-layer
   device cache (`offload_cache` = its share of the experts, LRU or LFU); every missed (layer, expert) pair of a
   verification is moved over the profile's PCIe link. Stateful (`stateful = True`): the cache lives for an
@@ -43,7 +44,13 @@ from engine.cost.drafter_cost import (
     drafter_spec_from_hf_config,
     fit_drafter_cost,
 )
-from engine.cost.fitted import CostSample, DecodeVerifyCost, FittedCost, fit_cost_model, fit_two_regimes
+from engine.cost.fitted import (
+    CostSample,
+    DecodeVerifyCost,
+    FittedCost,
+    fit_cost_model_robust,
+    fit_two_regimes,
+)
 from engine.cost.host_cost import HostCost, ProbeCost, fit_host_cost, fit_probe_cost
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
 from env.cost_model import CostModel, RooflineCostModel, RoundCost
@@ -176,8 +183,11 @@ class FittedCostModel(CostModel):
         plain, n, steps = a["cal_live_plain"], a["cal_live_verified"], a["cal_live_draft_steps"]
         drafted = steps > 0
         cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
-        decode = _single_token_fit(a, ~plain & ~drafted, shape) or target.decode  # K = 0 rounds
-        plain_step = _single_token_fit(a, plain, shape) or decode
+        # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
+        # both (neither records routing), so one fit to both engines' timed rounds; what the engines do differently
+        # around it is their host work (`host`: book(1) and plain)
+        decode = _single_token_fit(a, ~drafted, shape) or target.decode
+        plain_step = decode
         host = fit_host_cost(n[~cut], a["cal_live_host_seconds"][~cut], plain[~cut])  # K = 0, target-only, trees
         # a cut round ran a slower single-token forward and more host work than a K = 0 round (its tree, its cut);
         # that surplus is priced with its drafting
@@ -198,7 +208,8 @@ class FittedCostModel(CostModel):
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):
     """FittedCost of the timed live single-token forwards `rows` (fixed + per layer·context: one token routes to
-    L·r experts), or None when they cannot identify it."""
+    L·r experts; `fit_cost_model_robust`: timing spikes late in a request set no context slope), or None when they
+    cannot identify it."""
     L, _, r = shape
     routing = [torch.arange(r)[None]] * L  # L x [1, r]: Σ_l U_l = L·r, what every single token has
     samples = [CostSample(routing, int(c), float(t))
@@ -206,7 +217,7 @@ def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tu
     if len(samples) < 3:
         return None
     try:
-        return fit_cost_model(samples)[0]
+        return fit_cost_model_robust(samples)[0]
     except ValueError:
         return None
 

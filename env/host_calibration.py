@@ -6,8 +6,9 @@ bookkeeping — the recorder never runs. So while a trace records (calibrate_eve
 decoded live at batch 1: once by a target-only engine and once per static action of `host_actions` by an
 engine with the recording's drafter, with the trace's own sampling; every round's RoundStats.host_seconds is a
 sample (the trace's cal_live_* arrays), to which engine.cost.host_cost fits book(n) and the target-only step's
-share of T_AR. The same rounds' forward and drafting seconds are samples too: the single-token forward of each
-engine and the drafting rounds are priced from them (env.costs.FittedCostModel), since the recorder's own timings
+share of T_AR. The same rounds' forward and drafting seconds are samples too: the single-token forward (one fit to
+both engines' rounds, the same code) and the drafting rounds are priced from them (env.costs.FittedCostModel), since
+the recorder's own timings
 run other code paths (a tree-attention forward of one token; drafting outside the engine's loop) and were measured
 25 % dearer (T_AR) and 20–30 % cheaper (prompt-lookup drafting) than the live rounds. The actions span n = 1
 (K = 0) to the grid's largest tree, under each way a rule scores the nodes as they grow (DRAFT_RULES).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 
 import numpy as np
 import torch
@@ -127,6 +128,31 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
     values = [fitted.get(j, 0.0) for j in range(X.shape[1])]
     model = FittedCost(*values, fitted=tuple(CONSTANTS[j] for j in sorted(fitted)))
     return model, r_squared(X @ np.array(values), y)
+
+
+def fit_cost_model_robust(samples: Sequence[CostSample], spread: float = 5.0) -> tuple[FittedCost, float]:
+    """`fit_cost_model` whose slopes timing spikes do not set: (model, R² of the refit on the samples kept).
+
+    On a shared machine a few forwards take several times their usual seconds (another process, the allocator);
+    when such spikes cluster where a regressor is large (late in a request: a long context) a least-squares fit
+    reads them as that regressor's cost and prices every long-context step dearer. So: fit, drop the samples whose
+    residual lies more than `spread` robust standard deviations (1.4826 · MAD) from the median residual, refit
+    them, then raise or lower `fixed` by the mean residual of *all* samples, so the model's mean over the samples
+    stays the measured mean: the spikes are charged to every step alike, as the overhead they are, not to context.
+    (`fixed` stays >= 0.)"""
+    model, _ = fit_cost_model(samples)
+    X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 5]
+    y = np.array([s.seconds for s in samples])
+    coef = lambda m: np.array([getattr(m, k) for k in CONSTANTS])  # noqa: E731
+    res = y - X @ coef(model)
+    med = float(np.median(res))
+    mad = 1.4826 * float(np.median(np.abs(res - med)))
+    kept = np.abs(res - med) <= spread * mad if mad > 0 else np.ones(len(y), dtype=bool)
+    if kept.all() or int(kept.sum()) < len(identifiable_columns(X)):
+        return model, r_squared(X @ coef(model), y)
+    core, r2 = fit_cost_model([s for s, k in zip(samples, kept) if k])
+    shift = float(np.mean(y - X @ coef(core)))
+    return dataclass_replace(core, fixed=max(core.fixed + shift, 0.0)), r2
 
 
 @dataclass(frozen=True)

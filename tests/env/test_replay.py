@@ -163,10 +163,13 @@ def test_fitted_cost_and_synthetic_routing(greedy_trace):
     assert cm.book(1) > 0 and cm.book(5) > 0 and cm.book_ar() > 0
     L, _, r = cm.routing_shape
     assert cm.ar(10) == pytest.approx(cm.plain_step.seconds(1, L * r, L, 10) + cm.book_ar())  # + a plain step's host
-    live_plain = a["cal_live_forward_seconds"][plain].mean()  # T_AR's forward: the target-only engine's, as timed
-    assert cm.plain_step.seconds(1, L * r, L, int(a["cal_live_context"][plain].mean())) == pytest.approx(
-        live_plain, rel=0.05
-    )
+    # T_AR's forward and a K = 0 round's are one fit to both engines' timed single-token forwards (the same code),
+    # its mean the timed mean; the engines differ in their host work
+    assert cm.plain_step is cm.target.decode
+    one = a["cal_live_draft_steps"] == 0
+    fitted_mean = np.mean([cm.plain_step.seconds(1, L * r, L, int(c)) for c in a["cal_live_context"][one]])
+    assert fitted_mean == pytest.approx(a["cal_live_forward_seconds"][one].mean(), rel=1e-6)
+    assert cm.ar(10) - cm.verify(1, L * r, 10) == pytest.approx(cm.book_ar())
     p = cm.price(4, 3 * L * r, 10, 3, 1, False)
     assert p.book == cm.book(4) and p.total == pytest.approx(p.draft + p.verify + p.book)
     synthetic = make(greedy_trace, cost={"kind": "roofline", "model_spec": "qwen3_235b_a22b", "hardware": "h200"})
