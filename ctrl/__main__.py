@@ -222,13 +222,12 @@ def headline(rows: list[dict]) -> str:
         names = [p for p in names if p != "oracle"] + [p for p in names if p == "oracle"]
         out.append(f"\n== {cost}: speed-up over target-only decoding on held-out prompts (committed per cost ×; "
                    "learned: mean of its seeds, their range; [requests slowed] where > 0) ==")  # fmt: skip
-        out.append(f"{'policy':<20}" + "".join(f"{w:>24}" for w in wls))
+        cells = {}
         for pol in names:
-            vals = []
             for wl in wls:
                 r = by.get((pol, wl))
                 if r is None:
-                    vals.append(f"{'-':>24}")
+                    cells[pol, wl] = "-"
                     continue
                 cell = f"{r['speedup_vs_ar']:.3f}x"
                 if r.get("seeds", 1) > 1 and r["committed_per_cost"] > 0:
@@ -236,8 +235,10 @@ def headline(rows: list[dict]) -> str:
                     cell += f" ({r['seed_min'] * unit:.3f}-{r['seed_max'] * unit:.3f})"
                 if r["frac_requests_slowed"] > 0:
                     cell += f" [{r['frac_requests_slowed']:.0%}]"
-                vals.append(f"{cell:>24}")
-            out.append(f"{pol:<20}" + "".join(vals))
+                cells[pol, wl] = cell
+        width = max([len(c) for c in cells.values()] + [len(w) for w in wls] + [10]) + 2  # columns never run together
+        out.append(f"{'policy':<20}" + "".join(f"{w:>{width}}" for w in wls))
+        out += [f"{pol:<20}" + "".join(f"{cells[pol, wl]:>{width}}" for wl in wls) for pol in names]
         for pol in (p for p in names if any("seeds" in by.get((p, w), {}) for w in wls)):  # the learners
             ratios = []
             for wl in wls:
