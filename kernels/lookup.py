@@ -1,7 +1,7 @@
 """Prompt lookup in C++ (`lookup.cpp`): the suffix match, the match's source and the n-gram drafter's probe in one
-call each. Reference twins, in Python: `engine.drafting.suffix.suffix_match_py`, `engine.drafting.suffix.match_source_py`
-and `engine.drafting.ngram.NGramDrafter.probe_py` (the same matches, followers in the same order, float32 confidences
-and sources: tests/kernels/test_lookup.py).
+call each. Reference twins, in Python: `engine.drafting.suffix.suffix_match_py`,
+`engine.drafting.suffix.match_source_py` and `engine.drafting.ngram.NGramDrafter.probe_py` (the same matches,
+followers in the same order, float32 confidences and sources: tests/kernels/test_lookup.py).
 
     from kernels import lookup
     fns = lookup.native()    # (match, probe, source) raw C functions, or None when the extension is off

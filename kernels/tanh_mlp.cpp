@@ -2,21 +2,26 @@
 // action dimension of its Linear (Tanh Linear)* actor, and optionally the values themselves read straight from the
 // request's History.
 //
-// The actor computes what engine.runtime.frozen's numpy twin does, in float64: each value is rounded to float32 and
+// The actor computes in float32, as the TorchScript actor it was frozen from: each value is rounded to float32 and
 // clipped to [0, 1] (observation_vector's last step, idempotent on a vector that already had it), clipped to the
 // folded normalisation's [lo, hi], then x <- tanh(W x + b) per hidden layer and logits = W_out x + b_out over the
 // padded output [D * width] (padding at -inf), argmax (first maximum, NaN wins, as numpy's) in each dimension's
-// row of `width`.
+// row of `width`. The weights are stored float32 (the folded first layer rounded once), each output summed over its
+// inputs in order, tanh a rational approximation within 4e-7 of the exact one (Eigen's float tanh): the logits are
+// within ~1e-5 of engine.runtime.frozen's float64 numpy twin, and the decisions the same wherever the two largest
+// logits of a dimension are further apart than that (tested).
 //
 // `choose` also computes the values: engine.runtime.observation.observation_values (the reference twin, equal bit
 // for bit: tested) over the History's attributes and its last RoundStats, the calibrated block from the isotonic
 // knots the policy was frozen with (engine.spec.calibration.interp's arithmetic).
 //
-// Why one call, and why the raw CPython calling convention for the hot entry points (`act`, `choose`, `values`,
-// METH_FASTCALL on a capsule) rather than pybind11's dispatcher: after a model forward every first call starts with
-// cold caches, and measured in place (engine.bench policy, README) a pybind11 call that does nothing costs ~12 us
-// there against ~6 us for a raw one; the observation values in Python ~30 us. Plain C++ (no CPU-specific flags, no
-// FP contraction: the calibration's interpolation must round as Python's does).
+// Why one call, why float32, and why the raw CPython calling convention for the hot entry points (`act`, `choose`,
+// `values`, METH_FASTCALL on a capsule) rather than pybind11's dispatcher: after a model forward every first call
+// starts with cold caches, and measured in place (engine.bench policy, README) a pybind11 call that does nothing
+// costs ~12 us there against ~6 us for a raw one; the observation values in Python ~30 us; the float64 actor with
+// libm's tanh ~15 us, of which its 76 KB of weights and 128 tanh calls most. Plain C++ (no CPU-specific flags: the
+// compiler vectorises the blocked sums with SSE2; no FP contraction: the calibration's interpolation must round as
+// Python's does).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -37,10 +42,46 @@ constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_D
 constexpr int kMaxWidth = 1024;  // widest layer the stack buffers hold
 
 struct Layer {
-  std::vector<double> wt;  // [in, out]: the weight transposed, so a layer is `in` independent axpy sweeps
-  std::vector<double> b;  // [out]
+  std::vector<float> wt;  // [in, out]: the weight transposed, so a block of outputs sums `in` rows of it
+  std::vector<float> b;  // [out]
   int64_t out, in;
 };
+
+// tanh in float32 within 4e-7 of the exact value (Eigen's generic_fast_tanh_float: a 13/6 odd/even rational
+// function on [-7.905, 7.905], +-1 outside it; NaN stays NaN). No libm call, so a layer's loop vectorises.
+inline float fast_tanh(float x) {
+  constexpr float c = 7.90531110763549805f;
+  x = x < -c ? -c : (x > c ? c : x);  // NaN compares false both times: stays NaN
+  const float x2 = x * x;
+  float p = -2.76076847742355e-16f;
+  p = p * x2 + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  float q = 1.19825839466702e-06f;
+  q = q * x2 + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  return x * p / q;
+}
+
+// dst[j] = b[j] + sum_k wt[k, j] x[k] for j < out, k in order, in blocks of B outputs held in registers.
+template <int B>
+int64_t dense_block(const Layer& L, const float* __restrict x, float* __restrict dst, int64_t j0) {
+  for (; j0 + B <= L.out; j0 += B) {
+    float acc[B];
+    for (int j = 0; j < B; ++j) acc[j] = 0.0f;
+    for (int64_t k = 0; k < L.in; ++k) {
+      const float* __restrict w = L.wt.data() + k * L.out + j0;
+      const float xk = x[k];
+      for (int j = 0; j < B; ++j) acc[j] += w[j] * xk;
+    }
+    for (int j = 0; j < B; ++j) dst[j0 + j] = acc[j] + L.b[j0 + j];
+  }
+  return j0;
+}
 
 inline double clip(double x, double lo, double hi) {  // numpy's minimum(maximum(x, lo), hi): NaN stays NaN
   if (x != x) return x;
@@ -81,10 +122,12 @@ class TanhMLP {
       if (out > kMaxWidth)
         throw std::invalid_argument("TanhMLP: layer " + std::to_string(i) + " is wider than " +
                                     std::to_string(kMaxWidth));
-      std::vector<double> wt(out * in);
-      for (int64_t j = 0; j < out; ++j)
-        for (int64_t k = 0; k < in; ++k) wt[k * out + j] = weights[i][j * in + k];
-      layers_.push_back({std::move(wt), std::move(biases[i]), out, in});
+      std::vector<float> wt(out * in), b(out);
+      for (int64_t j = 0; j < out; ++j) {
+        b[j] = static_cast<float>(biases[i][j]);  // -inf padding stays -inf
+        for (int64_t k = 0; k < in; ++k) wt[k * out + j] = static_cast<float>(weights[i][j * in + k]);
+      }
+      layers_.push_back({std::move(wt), std::move(b), out, in});
       in = out;
     }
     if (dims_ <= 0 || in % dims_ != 0)
@@ -121,26 +164,25 @@ class TanhMLP {
 
   // Padded logits [D * width] of `values` [in] into `z` [kMaxWidth].
   void logits_into(const double* values, double* z) const {
-    double buf[2][kMaxWidth > kMaxIn ? kMaxWidth : kMaxIn];
+    alignas(64) float buf[2][kMaxWidth > kMaxIn ? kMaxWidth : kMaxIn];
     const size_t n = lo_.size();
-    double* x = buf[0];
-    double* y = buf[1];
+    float* x = buf[0];
+    float* y = buf[1];
     for (size_t k = 0; k < n; ++k) {
       const double v = clip(static_cast<double>(static_cast<float>(values[k])), 0.0, 1.0);  // float32 vector
-      x[k] = clip(v, lo_[k], hi_[k]);
+      x[k] = static_cast<float>(clip(v, lo_[k], hi_[k]));
     }
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
-      const bool last = l + 1 == layers_.size();
-      double* dst = last ? z : y;
-      for (int64_t j = 0; j < L.out; ++j) dst[j] = 0.0;
-      for (int64_t k = 0; k < L.in; ++k) {  // dst[j] = sum_k w[j, k] x[k] over k in order, vectorised over j
-        const double* w = L.wt.data() + k * L.out;
-        const double xk = x[k];
-        for (int64_t j = 0; j < L.out; ++j) dst[j] += w[j] * xk;
+      int64_t j = dense_block<16>(L, x, y, 0);
+      j = dense_block<4>(L, x, y, j);
+      dense_block<1>(L, x, y, j);
+      if (l + 1 == layers_.size()) {
+        for (int64_t i = 0; i < L.out; ++i) z[i] = static_cast<double>(y[i]);
+      } else {
+        for (int64_t i = 0; i < L.out; ++i) y[i] = fast_tanh(y[i]);
+        std::swap(x, y);
       }
-      for (int64_t j = 0; j < L.out; ++j) dst[j] = last ? dst[j] + L.b[j] : std::tanh(dst[j] + L.b[j]);
-      std::swap(x, y);
     }
   }
 

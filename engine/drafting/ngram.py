@@ -79,8 +79,8 @@ class NGramDrafter:
         prompt_len = self._prompt_len.get(seq_id, len(tokens))
         fns = lookup.native()
         if fns is not None:  # the match, the confidence below and the source in one C++ call (kernels.lookup)
-            conf, conts, ngram, followers, *source = fns[1](tokens, depth, width, self.max_ngram, self.min_ngram,
-                                                            max(MAX_DEPTH, depth), MAX_TREE_NODES, prompt_len)  # fmt: skip
+            args = (tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES)
+            conf, conts, ngram, followers, *source = fns[1](*args, prompt_len)
             self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(conts, ngram, followers))
             self._source[seq_id] = tuple(source)
             return conf

@@ -243,21 +243,27 @@ def test_frozen_policy_decides_like_the_env_and_the_engine(trained):
 
 
 def test_frozen_policy_native_actor_decides_like_its_numpy_twin(trained):
-    """The C++ actor (kernels.tanh_mlp) the engine and the env act through == the numpy twin, on the observation
-    vector and on its raw values (what the session passes)."""
+    """The C++ actor (kernels.tanh_mlp, float32) the engine and the env act through == the numpy twin (float64), on
+    the observation vector and on its raw values (what the session passes): logits within float32's error, the same
+    decisions but where a dimension's two best logits lie closer than that."""
     from kernels import tanh_mlp
 
     if tanh_mlp.load() is None:
         pytest.skip(f"C++ actor {tanh_mlp.status()}")
     policy = load_frozen_policy(path := trained[3])
     assert policy._native is not None, path
-    m, rng = policy._mlp, np.random.default_rng(1)
+    m, rng, exact = policy._mlp, np.random.default_rng(1), 0
     for i in range(200):
         v = rng.random(OBS_DIM) if i % 2 else rng.normal(0.5, 1.0, OBS_DIM)  # raw values may leave [0, 1]
         twin = policy._mlp_logits(v)
-        np.testing.assert_allclose(policy._native.logits(v.tolist()), twin, rtol=1e-12, atol=1e-12)
-        want = tuple(twin.reshape(m.dims, -1).argmax(1).tolist())
-        assert policy.act_index(v.tolist()) == policy.act_index(as_vector(v)) == want
+        got, real = np.asarray(policy._native.logits(v.tolist())), np.isfinite(twin)
+        np.testing.assert_allclose(got[real], twin[real], rtol=0, atol=1e-5)
+        idx = policy.act_index(v.tolist())
+        rows = twin.reshape(m.dims, -1)
+        assert idx == policy.act_index(as_vector(v))
+        assert all(rows[d, g] >= rows[d].max() - 1e-5 for d, g in enumerate(idx))
+        exact += idx == tuple(rows.argmax(1).tolist())
+    assert exact >= 198
 
 
 def test_frozen_policy_vector_path_decides_like_its_observation_path(trained):
