@@ -52,8 +52,11 @@ def boundary(cost, conf: MainConf) -> str:
         "tokens; exact methods (every policy commits the target's own tokens). Static baselines: the best single "
         f"action of the whole grid chosen on the {w.train} training prompts (static-best-train) or on the "
         "held-out prompts themselves (static-best-test). Unit of committed/cost: tokens per second of cost. "
-        "Counted: drafter and target verification; not counted: controller overhead (measured separately)."
-    )
+        + ("Counted: drafting, the drafter's probe (for a policy that observes it), target verification and the "
+           "engine's host work per round; not counted: the controller's choice (measured separately: "
+           "`python -m engine.bench mode=policy`)." if cost.kind == "fitted" else
+           "Counted: drafter and target verification; not counted: controller overhead (measured separately).")
+    )  # fmt: skip
     transfer = (f" Learned policies: trained under {cost.policies_from}, evaluated here unchanged (a transfer "
                 "result)." if cost.policies_from else "")  # fmt: skip
     spec_name = drafter_spec_name(CostConf(drafter_spec=cost.drafter_spec), str(m.drafter), cost.model_spec)
@@ -82,8 +85,10 @@ def boundary(cost, conf: MainConf) -> str:
                 "imbalance) + dispatch and combine all-to-alls over NVLink, from the verified nodes' routing; "
                 f"{drafter}; T_AR = the root alone with its own routing. " + common + transfer)  # fmt: skip
     return (
-        "Cost: this machine's measured cost (2 CPU cores, one thread), the engine's fitted model of target "
-        "verification plus the drafter's own fitted cost, both fitted on the trace's timed samples. " + common
+        "Cost: this machine's measured cost (2 CPU cores, one thread), fitted on the trace's timed samples: target "
+        "verification (n >= 2) on the recorder's timed forwards; the single-token forward (a K = 0 round's and a "
+        "target-only engine's, one fit robust to timing spikes), drafting, the drafter's probe and the engine's "
+        "host work per round on live rounds timed at batch 1. T_AR = a target-only engine's step. " + common
     )
 
 
