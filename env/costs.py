@@ -201,8 +201,14 @@ class FittedCostModel(CostModel):
         live = zip(steps[drafted].tolist(), a["cal_live_width"][drafted].tolist(), [False] * int(drafted.sum()),
                    seconds[drafted].tolist(), [DRAFT_RULES[i] for i in a["cal_live_rule"][drafted]])  # fmt: skip
         drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
-        probed = a["probe_seconds"] > 0  # the drafter's probe at every position it could draft (none: no probe)
-        probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
+        # the drafter's probe (none: no probe): timed in place before the live K = 0 rounds, as a probing policy runs
+        # it, else at every position of the recording (warm, right after its drafting: cheaper)
+        live_probed = a["cal_live_probe_seconds"] > 0
+        if live_probed.sum() >= 3:
+            probe = fit_probe_cost(a["cal_live_context"][live_probed], a["cal_live_probe_seconds"][live_probed])
+        else:
+            probed = a["probe_seconds"] > 0
+            probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step, probe)
 
 

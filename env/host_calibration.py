@@ -11,7 +11,10 @@ both engines' rounds, the same code) and the drafting rounds are priced from the
 the recorder's own timings
 run other code paths (a tree-attention forward of one token; drafting outside the engine's loop) and were measured
 25 % dearer (T_AR) and 20–30 % cheaper (prompt-lookup drafting) than the live rounds. The actions span n = 1
-(K = 0) to the grid's largest tree, under each way a rule scores the nodes as they grow (DRAFT_RULES).
+(K = 0) to the grid's largest tree, under each way a rule scores the nodes as they grow (DRAFT_RULES). With a drafter
+that has a probe (the prompt lookup), the K = 0 rounds run as a policy observing it runs them: `Session.probe` of the
+deepest, widest tree first, its seconds a sample of the probe's price (the recorder's own timing runs warm, right after
+its drafting: 10–11 µs against 15–18 µs in place, session 2026-12-06 f).
 """
 
 from __future__ import annotations
@@ -64,11 +67,22 @@ class HostCalibrator:
         self.base = Engine(target, instrument=False)  # plain decoding as a deployment runs it: no routing records
         self.spec = Engine(target, drafter=drafter)  # a policy observes the footprint: instrumented, as deployed
         self.actions = host_actions(kmax, widths)
+        self.kmax, self.width = kmax, max(widths)  # the probe's tree, as the recorder's (env.request_recorder)
         self.eos = eos_token_id
         self._warm = False
 
     def _generate(self, engine: Engine, prompt: list[int], tokens: int, params: SamplingParams, spec=None):
-        return engine.generate([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)[0]
+        if spec is None or spec.depth > 0 or getattr(engine.drafter, "probe", None) is None:
+            return engine.generate([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)[0]
+        session = engine.start([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)
+        try:  # K = 0 with the probe a policy observing it runs before each round (RoundStats.probe_seconds)
+            while not session.done:
+                for rid in session.active:
+                    session.probe(rid, self.kmax, self.width)
+                session.step()
+            return session.results()[0]
+        finally:
+            session.close()
 
     @staticmethod
     def empty() -> dict[str, np.ndarray]:
@@ -94,7 +108,7 @@ class HostCalibrator:
                 row = {"verified": r.verified_tokens, "plain": action is None, "context": r.context_len,
                        "draft_steps": steps, "rule": rule, "width": r.width,
                        "draft_seconds": r.time["draft"] if steps > 0 else 0.0, "forward_seconds": r.time["forward"],
-                       "host_seconds": r.host_seconds}  # fmt: skip
+                       "host_seconds": r.host_seconds, "probe_seconds": r.probe_seconds}  # fmt: skip
                 for k, v in row.items():
                     out[f"cal_live_{k}"].append(v)
                 position += r.committed

@@ -245,3 +245,19 @@ def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
         assert replay.step(drafted)[4]["cost"] == plain.step(drafted)[4]["cost"]
     finally:
         live.close()
+
+
+def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace):
+    """The lookup's probe is timed where a probing policy runs it: before each live K = 0 round of the host
+    calibration (Session.probe after the previous round's forward), and the fitted cost prices it from those samples;
+    a drafter without a probe (the EAGLE head) times none."""
+    from engine.cost.host_cost import fit_probe_cost
+    from env.costs import FittedCostModel
+
+    a = ngram_trace.arrays
+    probed = a["cal_live_probe_seconds"] > 0
+    k0 = ~a["cal_live_plain"] & (a["cal_live_draft_steps"] == 0) & (a["cal_live_verified"] == 1)
+    assert probed.sum() >= 3 and not (probed & ~k0).any()  # K = 0 rounds only (the last one of a request: no probe)
+    cm = FittedCostModel.from_trace(ngram_trace)
+    assert cm.probe_fit == fit_probe_cost(a["cal_live_context"][probed], a["cal_live_probe_seconds"][probed])
+    assert not greedy_trace.arrays["cal_live_probe_seconds"].any()

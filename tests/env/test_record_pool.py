@@ -17,6 +17,7 @@ SECONDS = {
     "cal_live_draft_seconds",
     "cal_live_forward_seconds",
     "cal_live_host_seconds",
+    "cal_live_probe_seconds",
 }  # measured: may differ
 
 
