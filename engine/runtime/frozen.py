@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,28 @@ class FrozenPolicy:
                                calibration=own if own is not None else calibration, top_k=top_k,
                                num_moe_layers=num_moe_layers, probe=probe)  # fmt: skip
         return self.act_vector(v)
+
+    def chooser(self, calibration: Calibration | None = None) -> Callable[..., SpecConfig] | None:
+        """`act_history` bound once for a session, positional: (h, position, max_new_tokens, batch_size, top_k,
+        num_moe_layers, probe) -> SpecConfig, the same decisions (it is act_history's C++ path, whose fallback it
+        keeps), without its keyword and dispatch work each round; None where act_history would take its Python path
+        (no C++ actor; the engine's `calibration` and none of the policy's own). The same indices give the same
+        SpecConfig object (the policy's cache), which lets the session validate each action once."""
+        if self._native is None or (self.calibration is None and calibration is not None):
+            return None
+        choose, specs, to_spec, slow = self._native.choose, self._specs, self._spec, self.act_history
+
+        def choose_spec(h: History, position: int, max_new_tokens: int, batch_size: int, top_k: int,
+                        num_moe_layers: int, probe: list[float] | tuple[float, ...] = ()) -> SpecConfig:  # fmt: skip
+            try:
+                idx = choose(h, position, max_new_tokens, batch_size, top_k, num_moe_layers, probe)
+            except (TypeError, ValueError, OverflowError):  # a History the C++ reader does not take
+                return slow(h, position=position, max_new_tokens=max_new_tokens, batch_size=batch_size, top_k=top_k,
+                            num_moe_layers=num_moe_layers, calibration=calibration, probe=probe)  # fmt: skip
+            spec = specs.get(idx)
+            return spec if spec is not None else to_spec(idx)
+
+        return choose_spec
 
     def _spec(self, idx: tuple[int, ...]) -> SpecConfig:
         """The SpecConfig of action indices (cached; the calibrated rule carries the policy's acceptance model)."""

@@ -91,6 +91,12 @@ class Session:
         self.kv = kv  # the engine's PagedKVCache, sized by Engine.start
         self._policy_seconds: dict[int, float] = {}  # request id -> choosing its action this step
         self._probe_seconds: dict[int, float] = {}  # request id -> the drafter's probe before that choice
+        # what the choice needs each round, looked up once: the policy's probe shape, the frozen policy's bound
+        # chooser (FrozenPolicy.chooser), and the actions already validated against this engine (id -> action)
+        self._probe_shape = getattr(policy, "probe", None)
+        make = getattr(policy, "chooser", None)
+        self._chooser = make(engine.calibration) if make is not None else None
+        self._checked: dict[int, SpecConfig] = {}
 
     # ------------------------------------------------------------------ membership
     @property
@@ -185,8 +191,10 @@ class Session:
         policy's own map, if it has one)."""
         eng = self.engine
         top_k, layers = eng._obs_model
-        shape = getattr(self.policy, "probe", None)
+        shape = self._probe_shape
         probe = self.probe(r.index, *shape) if shape else []
+        if self._chooser is not None:  # the frozen policy's C++ choice, bound once (FrozenPolicy.chooser)
+            return self._chooser(r.history, len(r.new_tokens), r.max_new, len(self._active), top_k, layers, probe)
         act_history = getattr(self.policy, "act_history", None)
         if act_history is not None:  # the frozen policy: values and decision in one native call where it can
             return act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
@@ -214,9 +222,16 @@ class Session:
             if self.policy is None or self.engine.drafter is None:
                 return active, [self.spec or NO_SPEC] * len(active)
             specs = []
+            checked = self._checked
             for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds (the probe apart)
                 t0 = time.perf_counter()
-                specs.append(self.check_action(self._choose(r)))
+                action = self._choose(r)
+                spec = checked.get(id(action))
+                if spec is not action:  # validated once per action object of a frozen policy (its cached ones)
+                    spec = self.check_action(action)
+                    if spec is action and self._chooser is not None:  # a bounded set: one per grid action at most
+                        checked[id(action)] = action  # kept alive here, so its id is never reused meanwhile
+                specs.append(spec)
                 self._policy_seconds[r.index] = time.perf_counter() - t0 - self._probe_seconds.get(r.index, 0.0)
             return active, specs
         if isinstance(actions, Mapping):

@@ -175,9 +175,14 @@ def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
             assert not want.any(), t
         probes += bool(probe)
         assert sess._choose(r) == policy.act(sess.observation(0, probe))
+        top_k, layers = eng._obs_model  # the session's bound chooser is act_history's C++ path, the same object
+        assert sess._chooser(r.history, t, r.max_new, 1, top_k, layers, probe) is policy.act_history(
+            r.history, position=t, max_new_tokens=r.max_new, batch_size=1, top_k=top_k, num_moe_layers=layers,
+            calibration=eng.calibration, probe=probe)  # fmt: skip
         sess.step()
         assert sess.requests[0].rounds[-1].probe_seconds > 0 or t >= n_new - 2
     out = sess.results()[0].token_ids
+    assert 0 < len(sess._checked) <= np.prod(policy.nvec)  # each grid action validated once
     sess.close()
     assert probes > 0 and out == trace.continuation_of(req).tolist()
     assert eng.generate([prompt], n_new, policy=policy)[0].token_ids == out
