@@ -186,8 +186,7 @@ class FittedCostModel(CostModel):
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
         # both (neither records routing), so one fit to both engines' timed rounds; what the engines do differently
         # around it is their host work (`host`: book(1) and plain)
-        decode = _single_token_fit(a, ~drafted, shape) or target.decode
-        plain_step = decode
+        decode = _single_token_fit(a, ~drafted, shape) or target.decode  # plain_step defaults to it
         host = fit_host_cost(n[~cut], a["cal_live_host_seconds"][~cut], plain[~cut])  # K = 0, target-only, trees
         # a cut round ran a slower single-token forward and more host work than a K = 0 round (its tree, its cut);
         # that surplus is priced with its drafting
@@ -209,7 +208,7 @@ class FittedCostModel(CostModel):
         else:
             probed = a["probe_seconds"] > 0
             probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
-        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, plain_step, probe)
+        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe)
 
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):

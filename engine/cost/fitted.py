@@ -119,11 +119,20 @@ def fit_cost_model(samples: Sequence[CostSample]) -> tuple[FittedCost, float]:
     """
     if not samples:
         raise ValueError("fit_cost_model needs at least one sample")
-    X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 5]
-    y = np.array([s.seconds for s in samples])
+    return _fit_features(*_features(samples))
+
+
+def _features(samples: Sequence[CostSample]) -> tuple[np.ndarray, np.ndarray]:
+    """(X [S, 5] the regressors `cost_features`, y [S] seconds) of samples."""
+    X = np.array([cost_features(s.routing, s.context_len) for s in samples])
+    return X, np.array([s.seconds for s in samples])
+
+
+def _fit_features(X: np.ndarray, y: np.ndarray) -> tuple[FittedCost, float]:
+    """`fit_cost_model` on regressors X [S, 5] and seconds y [S]."""
     keep = identifiable_columns(X)
-    if len(samples) < len(keep):
-        raise ValueError(f"{len(samples)} samples cannot identify {len(keep)} constants {[CONSTANTS[j] for j in keep]}")
+    if len(y) < len(keep):
+        raise ValueError(f"{len(y)} samples cannot identify {len(keep)} constants {[CONSTANTS[j] for j in keep]}")
     fitted = nonnegative_lstsq(X, y, keep)
     values = [fitted.get(j, 0.0) for j in range(X.shape[1])]
     model = FittedCost(*values, fitted=tuple(CONSTANTS[j] for j in sorted(fitted)))
@@ -140,17 +149,18 @@ def fit_cost_model_robust(samples: Sequence[CostSample], spread: float = 5.0) ->
     them, then raise or lower `fixed` by the mean residual of *all* samples, so the model's mean over the samples
     stays the measured mean: the spikes are charged to every step alike, as the overhead they are, not to context.
     (`fixed` stays >= 0.)"""
-    model, _ = fit_cost_model(samples)
-    X = np.array([cost_features(s.routing, s.context_len) for s in samples])  # [S, 5]
-    y = np.array([s.seconds for s in samples])
+    if not samples:
+        raise ValueError("fit_cost_model_robust needs at least one sample")
+    X, y = _features(samples)  # [S, 5], [S]: computed once for both fits
+    model, r2 = _fit_features(X, y)
     coef = lambda m: np.array([getattr(m, k) for k in CONSTANTS])  # noqa: E731
     res = y - X @ coef(model)
     med = float(np.median(res))
     mad = 1.4826 * float(np.median(np.abs(res - med)))
     kept = np.abs(res - med) <= spread * mad if mad > 0 else np.ones(len(y), dtype=bool)
     if kept.all() or int(kept.sum()) < len(identifiable_columns(X)):
-        return model, r_squared(X @ coef(model), y)
-    core, r2 = fit_cost_model([s for s, k in zip(samples, kept) if k])
+        return model, r2
+    core, r2 = _fit_features(X[kept], y[kept])
     shift = float(np.mean(y - X @ coef(core)))
     return dataclass_replace(core, fixed=max(core.fixed + shift, 0.0)), r2
 

@@ -74,13 +74,12 @@ class NGramDrafter:
             self._probed.pop(seq_id, None)
             self._source.pop(seq_id, None)
             return []
-        # where the match comes from (engine.drafting.suffix.match_source; `probed_source`); the prompt's length
-        # from `start` (unknown: all of `tokens` counts as prompt)
-        prompt_len = self._prompt_len.get(seq_id, len(tokens))
         fns = lookup.native()
         if fns is not None:  # the match, the confidence below and the source in one C++ call (kernels.lookup)
+            # where the match comes from (engine.drafting.suffix.match_source; `probed_source`); the prompt's
+            # length from `start` (unknown: all of `tokens` counts as prompt)
             args = (tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES)
-            conf, conts, ngram, followers, *source = fns[1](*args, prompt_len)
+            conf, conts, ngram, followers, *source = fns[1](*args, self._prompt_len.get(seq_id, len(tokens)))
             self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(conts, ngram, followers))
             self._source[seq_id] = tuple(source)
             return conf
