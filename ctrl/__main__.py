@@ -52,10 +52,12 @@ def boundary(cost, conf: MainConf) -> str:
         "tokens; exact methods (every policy commits the target's own tokens). Static baselines: the best single "
         f"action of the whole grid chosen on the {w.train} training prompts (static-best-train) or on the "
         "held-out prompts themselves (static-best-test). Unit of committed/cost: tokens per second of cost. "
-        + ("Counted: drafting, the drafter's probe (for a policy that observes it), target verification and the "
-           "engine's host work per round; not counted: the controller's choice (measured separately: "
-           "`python -m engine.bench mode=policy`)." if cost.kind == "fitted" else
-           "Counted: drafter and target verification; not counted: controller overhead (measured separately).")
+        + ("Counted: drafting, the probe (the drafter's, or the context probe's prompt lookup, for a policy that "
+           "observes it), target verification and the engine's host work per round; not counted: the controller's "
+           "choice (measured separately: `python -m engine.bench mode=policy`)." if cost.kind == "fitted" else
+           "Counted: drafter and target verification, and the probe of a policy that observes it (the context "
+           "probe's prompt lookup priced as the lookup's drafting round, 10 µs of host work); not counted: "
+           "controller overhead (measured separately).")
     )  # fmt: skip
     transfer = (f" Learned policies: trained under {cost.policies_from}, evaluated here unchanged (a transfer "
                 "result)." if cost.policies_from else "")  # fmt: skip
@@ -87,7 +89,7 @@ def boundary(cost, conf: MainConf) -> str:
     return (
         "Cost: this machine's measured cost (2 CPU cores, one thread), fitted on the trace's timed samples: target "
         "verification (n >= 2) on the recorder's timed forwards; the single-token forward (a K = 0 round's and a "
-        "target-only engine's, one fit robust to timing spikes), drafting, the drafter's probe and the engine's "
+        "target-only engine's, one fit robust to timing spikes), drafting, the probe and the engine's "
         "host work per round on live rounds timed at batch 1. T_AR = a target-only engine's step. " + common
     )
 

@@ -36,8 +36,9 @@ class AlgoConf:
     gae_lambda: float = 0.9
     ent_coef: float = 0.01
     net_arch: list[int] = field(default_factory=lambda: [64, 64])
-    # learned policies observe this round's draft before choosing (`confidence_now`: the drafter's probe, deployed
-    # as Session.probe) where the drafter has a probe (the prompt lookup); a round drafting nothing pays for it
+    # learned policies observe this round's probe before choosing (`confidence_now`, `match_now`; deployed as
+    # Session.probe): the drafter's own where it has one (the prompt lookup; a round drafting nothing pays for it),
+    # else the context probe, the prompt lookup on the host (engine.runtime.context_probe; every round pays for it)
     probe: bool = True
     normalize_reward: bool = True
     # SAC / TD3 (off-policy, Box action): replay buffer, warm-up steps, Polyak τ, vectorised steps per update,

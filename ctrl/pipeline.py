@@ -197,10 +197,9 @@ def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Seque
 
 
 def probes(conf: MainConf, traces: dict[str, Any]) -> bool:
-    """Whether learned policies observe each round's probed draft (conf.algo.probe, every drafter has a probe)."""
-    from env.costs import drafter_probes
-
-    return bool(conf.algo.probe) and all(drafter_probes(t) for t in traces.values())
+    """Whether learned policies observe each round's probe (conf.algo.probe): the drafter's own (the prompt lookup),
+    or for a drafter without one the context probe (engine.runtime.context_probe)."""
+    return bool(conf.algo.probe)
 
 
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:

@@ -28,6 +28,7 @@ Shape letters: L=MoE layers E=experts r=top-r n=verified tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ import numpy as np
 
 from engine.cost.drafter_cost import DrafterRoofline, DrafterSpec, load_drafter_spec
 from engine.cost.roofline import LAUNCHES_PER_FORWARD, LAUNCHES_PER_LAYER, ModelSpec, load_hardware
+
+LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,12 @@ class CostModel:
         nothing still pays): the price of drafting that tree (the fitted kind: the timed probes' fit)."""
         return self.draft(depth, width, False, context_len) if depth > 0 else 0.0
 
+    def context_probe(self, context_len: int) -> float:
+        """The context probe a policy runs before the choice when the drafter has no probe (the prompt lookup over
+        the request's tokens on the host, engine.runtime.context_probe): priced as the prompt lookup's drafting round
+        (conf/drafter_spec/prompt_lookup: its host seconds); the fitted kind: its timed probes' fit."""
+        return _lookup_host_seconds()
+
     def book(self, n: int) -> float:
         """T_book: the engine's host work of a round verifying n tokens (0 unless measured: the fitted kind)."""
         return 0.0
@@ -130,6 +139,11 @@ class CostModel:
             )
             out.append((verify + self.book(n)) / ar)
         return tuple(float(x) for x in out)
+
+
+@functools.cache
+def _lookup_host_seconds() -> float:
+    return float(load_drafter_spec(LOOKUP_SPEC).host_seconds)
 
 
 def _uniform_counts(L: int, E: int, r: int, n: int) -> np.ndarray:

@@ -53,7 +53,7 @@ from engine.cost.fitted import (
 )
 from engine.cost.host_cost import HostCost, ProbeCost, fit_host_cost, fit_probe_cost
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
-from env.cost_model import CostModel, RooflineCostModel, RoundCost
+from env.cost_model import LOOKUP_SPEC, CostModel, RooflineCostModel, RoundCost
 from env.models import NGRAM_DRAFTER
 from env.shared import view
 
@@ -149,6 +149,10 @@ class FittedCostModel(CostModel):
         return self.probe_fit.seconds(context_len) if self.probe_fit is not None else super().probe(
             context_len, depth, width)  # fmt: skip
 
+    def context_probe(self, context_len: int) -> float:
+        return self.probe_fit.seconds(context_len) if self.probe_fit is not None else super().context_probe(
+            context_len)  # fmt: skip
+
     def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
         """T_AR: a target-only engine's step, its forward and its host work."""
         L, _, r = self.routing_shape
@@ -227,7 +231,6 @@ def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tu
         return None
 
 
-LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model
 
 
 def drafter_probes(trace: Any) -> bool:

@@ -11,10 +11,11 @@ both engines' rounds, the same code) and the drafting rounds are priced from the
 the recorder's own timings
 run other code paths (a tree-attention forward of one token; drafting outside the engine's loop) and were measured
 25 % dearer (T_AR) and 20–30 % cheaper (prompt-lookup drafting) than the live rounds. The actions span n = 1
-(K = 0) to the grid's largest tree, under each way a rule scores the nodes as they grow (DRAFT_RULES). With a drafter
-that has a probe (the prompt lookup), the K = 0 rounds run as a policy observing it runs them: `Session.probe` of the
-deepest, widest tree first, its seconds a sample of the probe's price (the recorder's own timing runs warm, right after
-its drafting: 10–11 µs against 15–18 µs in place, session 2026-12-06 f).
+(K = 0) to the grid's largest tree, under each way a rule scores the nodes as they grow (DRAFT_RULES). The K = 0
+rounds run as a probing policy runs them: `Session.probe` of the deepest, widest tree first (the drafter's own probe,
+the prompt lookup's, or for a drafter without one the context probe, engine.runtime.context_probe), its seconds a
+sample of the probe's price (the recorder's own timing runs warm, right after its drafting: 10–11 µs against
+15–18 µs in place, session 2026-12-06 f).
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ class HostCalibrator:
         self._warm = False
 
     def _generate(self, engine: Engine, prompt: list[int], tokens: int, params: SamplingParams, spec=None):
-        if spec is None or spec.depth > 0 or getattr(engine.drafter, "probe", None) is None:
+        if spec is None or spec.depth > 0 or engine.drafter is None:
             return engine.generate([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)[0]
         session = engine.start([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)
-        try:  # K = 0 with the probe a policy observing it runs before each round (RoundStats.probe_seconds)
+        try:  # K = 0 with the probe (the drafter's or the context probe) a probing policy runs before each round
             while not session.done:
                 for rid in session.active:
                     session.probe(rid, self.kmax, self.width)

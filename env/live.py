@@ -21,10 +21,11 @@ is not deterministic. For a model spec larger than the target the verified tree 
 identity-keyed synthetic router (engine.cost.node_router) exactly as replay does, and the RoundStats'
 footprint fields describe that routing.
 
-Probe (`probe=True`, a drafter with `probe`: the prompt lookup): before every round the session probes the
-grid's tree(Kmax, max W) (Session.probe) and the observation's `confidence_now` holds its confidence per depth; a round
-that then drafts nothing pays the probe (the cost model's `probe`; kind "measured": its measured seconds, in every
-round), as in expertspec/Replay-v0.
+Probe (`probe=True`): before every round the session probes the grid's tree(Kmax, max W) (Session.probe) and the
+observation's `confidence_now` and `match_now` hold its values. With a drafter that has `probe` (the prompt lookup) a
+round that then drafts nothing pays the probe (the cost model's `probe`); with any other drafter the session runs the
+context probe (engine.runtime.context_probe) and every round pays it (the cost model's `context_probe`); kind
+"measured": its measured seconds, in every round. As in expertspec/Replay-v0.
 
 Sampling: greedy, or drafter-invariant seeded sampling (`sampling={"temperature": 0.7, "mode":
 "position", "seed": s}`; request i uses seed s + i, as env.record does), so a live episode's text
@@ -158,9 +159,8 @@ class LiveEnv(gym.Env):
         target_model, drafter_obj, info = models if models is not None else load_models(target, drafter, predictor)
         if drafter_obj is None:
             raise ValueError("Live-v0 needs a drafter (the action chooses its speculation)")
-        if probe and not hasattr(drafter_obj, "probe"):
-            raise ValueError(f"probe=True needs a drafter with a probe (the prompt lookup), got {info.drafter_name!r}")
         self.probe = (grid.max_depth, max(grid.widths)) if probe else None
+        self._own_probe = hasattr(drafter_obj, "probe")  # else Session.probe runs the context probe
         if any(x > 0 for x in grid.lams) and not getattr(drafter_obj, "predicts_experts", False):
             raise ValueError(f"grid λ {grid.lams} has λ > 0 but the drafter has no expert predictor: use lams=(0.0,)")
         self.info_models = info
@@ -244,9 +244,12 @@ class LiveEnv(gym.Env):
             steps = drafter_steps(kd, stats.built_depth, spec) if kd > 0 else 0
             cost = self.cost_model.price(n, int(sum(stats.distinct_experts)), ctx, steps, spec.width, aware, counts,
                                          draft_rule(spec))  # fmt: skip
-            if self.probe is not None and kd == 0 and stats.probe_seconds > 0:  # probed, then drafted nothing
+            if self.probe is not None and stats.probe_seconds > 0:  # probed: who pays, as env.replay's _set_probe
                 K, W = self.probe
-                cost = replace(cost, draft=cost.draft + self.cost_model.probe(ctx, min(K, remaining - 1), W))
+                if not self._own_probe:  # the context probe: every round, since nothing drafts from it
+                    cost = replace(cost, draft=cost.draft + self.cost_model.context_probe(ctx))
+                elif kd == 0:  # the drafter's own probe: a round that then drafted nothing
+                    cost = replace(cost, draft=cost.draft + self.cost_model.probe(ctx, min(K, remaining - 1), W))
         self._costs[rid] = cost
         return cost.total, cost.ar
 

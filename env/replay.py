@@ -27,12 +27,14 @@ over an episode of N tokens is N − Σ T_t/T_AR,t, so K = 0 everywhere scores e
 the raw parts: committed, accepted, verified, drafted, cost (T_spec), cost_draft, cost_verify, cost_book,
 cost_ar, distinct_experts (Σ_l U_l), utility, position, request.
 
-Probe (`probe=True`; drafters with `probe` only, the prompt lookup): the observation's `confidence_now` is this
-round's draft confidence per depth of tree(Kmax, max W) of the grid, as a policy deployed with `probe` sees it
-(Session.probe: the engine drafts that tree before the choice). The trace recorded that tree's confidence at every
+Probe (`probe=True`): the observation's `confidence_now` and `match_now` are this round's probe values, as a
+policy deployed with `probe` sees them (Session.probe). With a drafter that has a probe (the prompt lookup) the
+engine drafts tree(Kmax, max W) of the grid before the choice; the trace recorded that tree's confidence at every
 position, so it is a lookup; the probe's cost (the cost model's `probe`: the fitted kind's timed probes, otherwise the
 price of drafting that tree) is added to every action that then drafts nothing (K = 0; a drafted round takes the
-probe's match and pays it once, inside its drafting).
+probe's match and pays it once, inside its drafting). With any other drafter the context probe runs the prompt lookup
+on the host (engine.runtime.context_probe), recomputed here from the trace's tokens (`context_probes`); its cost (the
+cost model's `context_probe`) is added to every action, drafted or not, since nothing drafts from it.
 
 Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid
 or its fields; widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its
@@ -64,6 +66,7 @@ from gymnasium import spaces
 from engine.drafting.acceptance import AcceptanceModel
 from engine.drafting.suffix import match_source
 from engine.runtime.action_grid import ActionGrid
+from engine.runtime.context_probe import ContextProbe
 from engine.runtime.observation import OBS_DIM, History, observation_vector, observe_history, probe_values
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
@@ -105,6 +108,21 @@ def probed_sources(trace: Trace) -> list[tuple[float, float]]:
         tokens = prompt + [int(x) for x in trace.continuation_of(i)]
         P = len(prompt)
         out += [match_source(tokens[: P + t], P, hi, lo) for t in range(len(trace.positions_of(i)))]
+    return out
+
+
+def context_probes(trace: Trace, depth: Sequence[int], width: int) -> list[list[float]]:
+    """Per position [P]: the context probe's values (engine.runtime.context_probe: the prompt lookup over the prompt
+    and the committed tokens before it, a `depth[p]` × `width` tree; [] where depth[p] <= 0), what `Session.probe`
+    gives a deployed policy whose drafter has no probe."""
+    probe = ContextProbe()
+    out: list[list[float]] = []
+    for i in range(trace.num_requests):
+        prompt = [int(x) for x in trace.prompt(i)]
+        tokens = prompt + [int(x) for x in trace.continuation_of(i)]
+        P = len(prompt)
+        for t in range(len(trace.positions_of(i))):
+            out.append(probe.probe(tokens[: P + t], P, int(depth[len(out)]), width))
     return out
 
 
@@ -195,26 +213,32 @@ class ReplayEnv(gym.Env):
         """`probe=True` (module docstring): the probed confidences per position, and the tables' K = 0 columns
         priced with the probe (a copy: the cached tables stay those of every other env)."""
         trace, grid = self.trace, self.grid
-        if not drafter_probes(trace):
-            raise ValueError(f"probe=True needs a drafter with a probe (the prompt lookup); this trace's drafter is "
-                             f"{trace.meta['drafter']['name']!r}")  # fmt: skip
+        own = self._own_probe = drafter_probes(trace)  # the drafter's own probe (the lookup), else the context probe
         K, W = grid.max_depth, max(grid.widths)
         self.probe = (K, W)
 
         def priced(_cost: np.ndarray) -> tuple[ReplayTables, list[float], list[list[float]]]:
-            rows = trace.confidence[:, trace.widths.index(W), :K]  # [P, K]: tree(Kmax, W) cut to the grid's K
             t, _ = trace.position_steps()
             depth = np.minimum(K, trace.meta["max_new_tokens"] - t - 1)  # as the engine (and the recorder) caps it
-            cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(self.tables.context, depth)])
-            plain = [f for f in range(self.codec.num_actions) if grid.depths[self.codec.unflat(f)[0]] == 0]
+            if own:
+                rows = trace.confidence[:, trace.widths.index(W), :K]  # [P, K]: tree(Kmax, W) cut to the grid's K
+                cost = np.array([self.cost_model.probe(int(c), int(d), W) for c, d in zip(self.tables.context, depth)])
+                values = [probe_values(r.tolist(), src) if d > 0 else r.tolist()
+                          for r, src, d in zip(rows, probed_sources(trace), depth)]  # fmt: skip
+            else:
+                cost = np.array([self.cost_model.context_probe(int(c)) if d > 0 else 0.0
+                                 for c, d in zip(self.tables.context, depth)])  # fmt: skip
+                values = context_probes(trace, depth.tolist(), W)
+            # who pays: with the drafter's own probe a round drafting nothing (a drafted one drafts from the probe),
+            # with the context probe every round
+            paid = [f for f in range(self.codec.num_actions) if not own or grid.depths[self.codec.unflat(f)[0]] == 0]
             tab = copy.copy(self.tables)
             tab.cost, tab.draft_cost = tab.cost.copy(), tab.draft_cost.copy()
-            o = tab.outcome[:, plain]  # [P, A0] a K = 0 round's outcome: its verification and host work
-            draft = tab.draft_cost[:, plain] + cost[:, None]  # as a live round's RoundCost: (draft + verify) + book
-            tab.draft_cost[:, plain] = draft
-            tab.cost[:, plain] = (draft + tab.o_verify[o]) + tab.o_book[o]
-            return tab, cost.tolist(), [probe_values(r.tolist(), src) if d > 0 else r.tolist()
-                                        for r, src, d in zip(rows, probed_sources(trace), depth)]  # fmt: skip
+            o = tab.outcome[:, paid]  # [P, A'] those rounds' outcomes: their verification and host work
+            draft = tab.draft_cost[:, paid] + cost[:, None]  # as a live round's RoundCost: (draft + verify) + book
+            tab.draft_cost[:, paid] = draft
+            tab.cost[:, paid] = (draft + tab.o_verify[o]) + tab.o_book[o]
+            return tab, cost.tolist(), values
 
         # once per tables in this process (env.shared): their key fixes the trace, the grid and the cost model
         self.tables, self._probe_cost, self._probe_rows = view(f"probe:{K},{W}", self.tables.cost, priced)
@@ -269,7 +293,7 @@ class ReplayEnv(gym.Env):
             raise ValueError(f"λ = {spec.lam} > 0 needs predicted experts; this trace has none")
         o = rp.outcome(spec)
         d = rp.draft_cost(spec, self.trace.has_predictions)
-        if self.probe is not None and rp.drafted_depth(spec) <= 0:  # the probe, paid by a round drafting nothing
+        if self.probe is not None and (not self._own_probe or rp.drafted_depth(spec) <= 0):  # who pays: _set_probe
             d += self._probe_cost[p]
         return o, d + o.verify + self.cost_model.book(o.n), d, self._ar[p]  # T_AR: the tables' (plain decoding's)
 

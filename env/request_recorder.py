@@ -29,6 +29,7 @@ import torch
 
 from engine.models.batching import chain_item, pack, tree_item
 from engine.models.kv_cache import PagedKVCache
+from engine.runtime.context_probe import ContextProbe
 from engine.spec.config import SpecConfig
 from engine.spec.draft_tree import DraftTree
 from engine.spec.gumbel import gumbel_argmax, position_gumbel_many
@@ -113,6 +114,9 @@ class RequestRecorder:
         probe, probe_seq = getattr(drafter, "probe", None), len(seqs)  # its own sequence: no draft takes its match
         if probe is not None:  # started like the others: the lookup's match source reads the prompt's length
             drafter.start(probe_seq, list(prompt), target_hidden=pre.hidden)
+        else:  # a drafter without a probe: a probing policy runs the context probe (engine.runtime.context_probe)
+            context = ContextProbe()
+            probe = lambda _seq, toks, d, w: context.probe(toks, P, d, w)  # noqa: E731
         gen = torch.Generator().manual_seed(0)  # unused: deterministic children in greedy / position mode
         cont: list[int] = []
         rec: dict[str, list] = {
@@ -163,7 +167,7 @@ class RequestRecorder:
                     trees = [DraftTree.root_only(tokens[-1]) for _ in self.widths]
                 draft_seconds = time.perf_counter() - t0
                 probe_seconds = 0.0  # the probe a policy observing `confidence_now` runs first (Session.probe)
-                if depth > 0 and probe is not None:
+                if depth > 0:
                     t0 = time.perf_counter()
                     probe(probe_seq, tokens, depth, max(self.widths))
                     probe_seconds = time.perf_counter() - t0
@@ -269,7 +273,7 @@ class RequestRecorder:
         finally:
             for s in seqs:
                 drafter.finish(s)
-            if probe is not None:
+            if getattr(drafter, "probe", None) is not None:
                 drafter.finish(probe_seq)
             if 0 in kv.seqs:
                 kv.release(0)

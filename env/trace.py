@@ -48,10 +48,11 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 7  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position;
+FORMAT_VERSION = 8  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position;
 # 4: the timed live one-token rounds record no routing (Engine plain_routing); 5: the timed probe finds the lookup
 # match's source too (NGramDrafter.probed_source); 6: ... in the same C++ call as the match (kernels.lookup);
-# 7: the probe timed in place too, before the live K = 0 rounds (cal_live_probe_seconds)
+# 7: the probe timed in place too, before the live K = 0 rounds (cal_live_probe_seconds); 8: a drafter without a
+# probe has the context probe timed (engine.runtime.context_probe)
 FORMAT_NAME = "expertspec-trace"
 
 # array name -> (dtype, per-what); the whole schema, checked on load
@@ -68,7 +69,7 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "confidence": ("float32", "[P, nW, Kmax] growth confidence of tree(Kmax, W) per depth (0 = not drafted)"),
     "target_seconds": ("float32", "[P] measured verification of the union tree"),
     "draft_seconds": ("float32", "[P] measured batched drafting of the grid's trees"),
-    "probe_seconds": ("float32", "[P] measured probe of tree(Kmax, max width) before a choice (0: none)"),
+    "probe_seconds": ("float32", "[P] measured probe (the drafter's or the context probe) before a choice (0: none)"),
     "node_token": ("int32", "[M]"),
     "node_parent": ("int16", "[M] local index within the position, -1 for the root"),
     "node_depth": ("int8", "[M]"),

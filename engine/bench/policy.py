@@ -12,9 +12,10 @@ action check — into `RoundStats.policy_seconds`. Reported per batch size, over
     share          Σ policy_seconds / wall time of the policy's generate calls (what the controller takes)
     × plain step   median per request-round / the median target-only decode step of the same batch size,
                    measured interleaved in the same run (the cheapest round the engine can run)
-    probe µs       for a policy that observes the probe (`FrozenPolicy.probe`): the drafter's probe before the
-                   choice, median per request-round (`RoundStats.probe_seconds`; drafting work the round's draft then
-                   takes over, so not the controller's), and its share of the wall time
+    probe µs       for a policy that observes the probe (`FrozenPolicy.probe`): the probe before the choice, median
+                   per request-round (`RoundStats.probe_seconds`), and its share of the wall time. The prompt lookup's
+                   own probe is drafting work the round's draft then takes over; the context probe of a drafter
+                   without one (engine.runtime.context_probe) is not, so it adds to what the controller takes
 
 and the parts, timed in a loop on one live request: the observation (for the frozen policy its values straight
 from the request's history, calibration included), the policy call (C++ or numpy MLP, argmax, action lookup) and the

@@ -74,16 +74,11 @@ class NGramDrafter:
             self._probed.pop(seq_id, None)
             self._source.pop(seq_id, None)
             return []
-        fns = lookup.native()
-        if fns is not None:  # the match, the confidence below and the source in one C++ call (kernels.lookup)
-            # where the match comes from (engine.drafting.suffix.match_source; `probed_source`); the prompt's
-            # length from `start` (unknown: all of `tokens` counts as prompt)
-            args = (tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES)
-            conf, conts, ngram, followers, *source = fns[1](*args, self._prompt_len.get(seq_id, len(tokens)))
-            self._probed[seq_id] = (len(tokens), depth, width, SuffixMatch(conts, ngram, followers))
-            self._source[seq_id] = tuple(source)
-            return conf
-        return self.probe_py(seq_id, tokens, depth, width)
+        # the prompt's length from `start` (unknown: all of `tokens` counts as prompt)
+        conf, match, source = self.lookup_probe(tokens, self._prompt_len.get(seq_id, len(tokens)), depth, width)
+        self._probed[seq_id] = (len(tokens), depth, width, match)
+        self._source[seq_id] = source
+        return conf
 
     def probed_source(self, seq_id: int) -> tuple[float, float]:
         """(recency, in_output) of the lookup's match found by this sequence's last `probe` ((0, 0): none)."""
@@ -91,10 +86,30 @@ class NGramDrafter:
 
     def probe_py(self, seq_id: int, tokens: list[int], depth: int, width: int) -> list[float]:
         """`probe` in Python (depth, width > 0): the C++ one's reference twin."""
-        prompt_len = self._prompt_len.get(seq_id, len(tokens))
-        self._source[seq_id] = match_source_py(tokens, prompt_len, self.max_ngram, self.min_ngram)
-        match = suffix_match_py(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
+        conf, match, source = self.lookup_probe_py(tokens, self._prompt_len.get(seq_id, len(tokens)), depth, width)
         self._probed[seq_id] = (len(tokens), depth, width, match)
+        self._source[seq_id] = source
+        return conf
+
+    def lookup_probe(
+        self, tokens: list[int], prompt_len: int, depth: int, width: int
+    ) -> tuple[list[float], SuffixMatch, tuple[float, float]]:
+        """`probe` without state (depth, width > 0): (confidence per depth [<= depth], the match, where it comes from
+        (recency, in_output), engine.drafting.suffix.match_source, the first `prompt_len` tokens being the prompt).
+        One C++ call (kernels.lookup) when it is built; `lookup_probe_py` is its twin."""
+        fns = lookup.native()
+        if fns is None:
+            return self.lookup_probe_py(tokens, prompt_len, depth, width)
+        args = (tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES)
+        conf, conts, ngram, followers, *source = fns[1](*args, prompt_len)
+        return conf, SuffixMatch(conts, ngram, followers), (float(source[0]), float(source[1]))
+
+    def lookup_probe_py(
+        self, tokens: list[int], prompt_len: int, depth: int, width: int
+    ) -> tuple[list[float], SuffixMatch, tuple[float, float]]:
+        """`lookup_probe` in Python (the C++ one's reference twin)."""
+        source = match_source_py(tokens, prompt_len, self.max_ngram, self.min_ngram)
+        match = suffix_match_py(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)
         # the growth confidence `_grow` would give, without growing: per depth the best score of the nodes the
         # node budget keeps (each continuation's first tokens, in order)
         left, best = MAX_TREE_NODES, []
@@ -105,7 +120,7 @@ class NGramDrafter:
             left -= k
             best[: min(k, len(best))] = [max(b, c) for b, c in zip(best, row[:k])]
             best += row[len(best) : k]
-        return np.asarray(best, dtype=np.float32).tolist()
+        return np.asarray(best, dtype=np.float32).tolist(), match, source
 
     def _match(self, seq_id: int, tokens: list[int], depth: int, width: int) -> SuffixMatch:
         probed = self._probed.pop(seq_id, None)

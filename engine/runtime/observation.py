@@ -25,8 +25,9 @@ Vector layout (`Observation.vector()`, float32, Kmax = `KMAX`; all entries bound
     3K+11             log2(batch_size) / 8      requests in the batch this request is verified with
     3K+12             depth_last / KMAX         depth actually built last round
     3K+13             first_round               1 before the first round, else 0
-    3K+14 .. 4K+13    confidence_now[d]         this round's draft confidence per depth, probed before the choice
-                                                (0 = not probed: a drafter without `probe`, or none asked for)
+    3K+14 .. 4K+13    confidence_now[d]         this round's draft confidence per depth, probed before the choice:
+                                                the drafter's own (the lookup's), or for a drafter without `probe`
+                                                the context probe's, the prompt lookup's (0 = not probed)
     4K+14             match_recency             the probed lookup match's recency, 1 − log2(d + 1) / 8 for a match
                                                 ending d tokens back (engine.drafting.suffix.match_source; 0: none)
     4K+15             match_in_output           1 when that match's continuation lies in the generated tokens
@@ -34,7 +35,9 @@ Vector layout (`Observation.vector()`, float32, Kmax = `KMAX`; all entries bound
 `confidence_now` is DESIGN.md §3's "draft confidence of this round": a drafter whose proposals cost next to nothing
 (the prompt lookup, `NGramDrafter.probe`) drafts the round's widest, deepest tree of the policy's grid before the
 policy chooses, and the round then drafts from that probe (the lookup keeps its match), so a round pays for it once;
-a round that then drafts nothing still pays the probe (the trace's `probe_seconds`, env.replay). A probe's values
+a round that then drafts nothing still pays the probe (the trace's `probe_seconds`, env.replay). A drafter without a
+probe (an EAGLE head, MTP, a dense model) would need a forward for it; there the context probe runs the prompt lookup
+on the host instead (engine.runtime.context_probe), and every round pays it. A probe's values
 (`probe=` below) are its confidences per depth, or `probe_values(confidences, source)`: the confidences padded to
 Kmax, then the match's (recency, in_output) (`NGramDrafter.probed_source`; a small greedy model repeating its own
 recent output is accepted far more often than one copying its prompt, README Results, session 2026-12-06 e).
@@ -66,8 +69,9 @@ OBS_FIELDS = (
     + ["match_recency", "match_in_output"]
 )
 OBS_DIM = len(OBS_FIELDS)
-# v2: a one-token round's overlap is not observed (engine.runtime.round_record); v3: the probed match's source
-OBS_SIGNATURE = "expertspec-obs-v3:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
+# v2: a one-token round's overlap is not observed (engine.runtime.round_record); v3: the probed match's source;
+# v4: drafters without a probe observe the context probe's values (engine.runtime.context_probe) where v3 had zeros
+OBS_SIGNATURE = "expertspec-obs-v4:" + hashlib.sha256(",".join(OBS_FIELDS).encode()).hexdigest()[:12]
 
 Calibration = Callable[[float, int], float]  # (raw confidence, depth 1..K) -> P(accepted)
 

@@ -13,8 +13,9 @@ on the other requests in the batch.
 
 Actions: None -> the session's `spec` (or its `policy`, consulted per request with the request's
 Observation, with its observation vector when the policy has `act_vector`, or with its History when it has
-`act_history`: `engine.runtime.policy`; a policy with a `probe` (depth, width) first gets this round's draft
-confidence per depth from a drafter that has `probe`, as its observation's `confidence_now`); a
+`act_history`: `engine.runtime.policy`; a policy with a `probe` (depth, width) first gets this round's probe
+values, as its observation's `confidence_now` and `match_now`: from a drafter that has `probe`, else from the
+context probe, the prompt lookup over the request's tokens, engine.runtime.context_probe); a
 list with one action per active request; or a dict {request id: action}, which steps only the requests it
 names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)).
 Every action is validated before any work of the step, so a bad action leaves the session
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 
 from engine.models.kv_cache import KVCacheFull
+from engine.runtime.context_probe import ContextProbe
 from engine.runtime.observation import KMAX, History, Observation, observation_values, probe_values
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
@@ -97,6 +99,9 @@ class Session:
         make = getattr(policy, "chooser", None)
         self._chooser = make(engine.calibration) if make is not None else None
         self._checked: dict[int, SpecConfig] = {}
+        # the prompt lookup probing for a drafter without a probe (engine.runtime.context_probe), built before a round
+        drafter = engine.drafter
+        self._context = ContextProbe() if drafter is not None and getattr(drafter, "probe", None) is None else None
 
     # ------------------------------------------------------------------ membership
     @property
@@ -167,21 +172,27 @@ class Session:
         return self.engine.observe_request(r, batch_size=len(self._active), probe=probe)
 
     def probe(self, request_id: int, depth: int, width: int) -> list[float]:
-        """This round's draft confidence per depth of request `request_id` from the drafter's `probe` (a tree of at
-        most `depth` — and never past the request's token budget, as drafting — and `width`), before its action is
-        chosen, with a drafter that has `probed_source` its `probe_values` (then the match's source); [] when the
-        drafter has no probe or nothing can be drafted. Timed into the round's
-        `RoundStats.probe_seconds`; the drafter keeps what it found for this round's draft (NGramDrafter.probe)."""
+        """This round's probe values of request `request_id` before its action is chosen (a tree of at most `depth`,
+        never past the request's token budget, as drafting, and `width`): from the drafter's `probe` its confidence
+        per depth, with a drafter that has `probed_source` its `probe_values` (then the match's source); from a
+        drafter without a probe the context probe's `probe_values` (the prompt lookup over the request's tokens,
+        engine.runtime.context_probe); [] without a drafter or when nothing can be drafted. Timed into the round's
+        `RoundStats.probe_seconds`; a drafter's own probe keeps what it found for this round's draft
+        (NGramDrafter.probe)."""
         r = self.requests[request_id]
-        fn = getattr(self.engine.drafter, "probe", None)
+        drafter = self.engine.drafter
         depth = min(int(depth), r.max_new - len(r.new_tokens) - 1)
-        if fn is None or depth <= 0 or width <= 0:
+        if drafter is None or depth <= 0 or width <= 0:
             return []
+        fn = getattr(drafter, "probe", None)
         t0 = time.perf_counter()
-        out = fn(r.index, r.tokens, depth, int(width))
-        source = getattr(self.engine.drafter, "probed_source", None)
-        # the lookup's: where its match comes from, after the confidences (more than KMAX values: probe values)
-        out = probe_values(out, source(r.index)) if source is not None else list(out)[:KMAX]
+        if fn is None:
+            out = self._context.probe(r.tokens, len(r.prompt), depth, int(width))
+        else:
+            out = fn(r.index, r.tokens, depth, int(width))
+            source = getattr(drafter, "probed_source", None)
+            # the lookup's: where its match comes from, after the confidences (more than KMAX values: probe values)
+            out = probe_values(out, source(r.index)) if source is not None else list(out)[:KMAX]
         self._probe_seconds[r.index] = self._probe_seconds.get(r.index, 0.0) + time.perf_counter() - t0
         return out
 

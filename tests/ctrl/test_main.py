@@ -141,24 +141,35 @@ def test_main_job_with_the_prompt_lookup_drafter(tmp_path):
     _probe_policy_deploys_exactly(run, tmp_path)
 
 
-def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
-    """The lookup job's learned policy observes the probe (`confidence_now`): deployed in the engine, the session
-    probes the tree its card names before every choice, the probe equals the trace's recorded confidence at that
-    position (what replay observed) with the match source replay computes from the trace's tokens, the session's one
-    native call decides as `act` on the Observation, and greedy output equals target-only output."""
+def test_main_job_s_policy_observes_the_context_probe(smoke_run):
+    """The default job's drafter (the EAGLE head) has no probe: its learned policies observe the context probe (the
+    prompt lookup on the host, engine.runtime.context_probe), deployed exactly as replay observed it."""
+    tmp, run, _ = smoke_run
+    _probe_policy_deploys_exactly(run, tmp, ("eagle-head", "expert-predictor"))
+
+
+def _probe_policy_deploys_exactly(run: Path, tmp_path: Path, drafter: tuple = ("ngram", None)) -> None:
+    """A learned policy observes the probe (`confidence_now`, `match_now`): deployed in the engine, the session
+    probes the tree its card names before every choice; the probe equals what replay observed at that position (the
+    lookup: the trace's recorded confidence, with the match source replay computes from the trace's tokens; a drafter
+    without a probe: the context probe replay computes from them); the session's one native call decides as `act` on
+    the Observation, and greedy output equals target-only output."""
     from engine.runtime.observation import KMAX
     from env.models import load_models
-    from env.replay import probed_sources
+    from env.replay import context_probes, probed_sources
     from env.trace import load_trace
 
     path = next((run / "policies" / "measured-cpu" / "aggrevate").glob("seed*"))
     policy = load_frozen_policy(path)
     assert policy.probe == (4, 2)  # the smoke grid's Kmax and widest W
     trace = load_trace(next((tmp_path / "cache" / "traces").glob("code-*.npz")))
-    target, drafter, _ = load_models("tiny-moe", "ngram", None)
-    eng = engine.Engine(target, drafter=drafter, calibration=policy.calibration, acceptance=policy.acceptance)
+    target, draft, _ = load_models("tiny-moe", *drafter)
+    own = drafter[0] == "ngram"
+    eng = engine.Engine(target, drafter=draft, calibration=policy.calibration, acceptance=policy.acceptance)
     req = trace.num_requests - 1  # a held-out request
-    sources = probed_sources(trace)
+    t_all, _ = trace.position_steps()
+    context = None if own else context_probes(trace, np.minimum(4, trace.meta["max_new_tokens"] - t_all - 1), 2)
+    sources = probed_sources(trace) if own else None
     prompt, n_new = trace.prompt(req).tolist(), len(trace.continuation_of(req))
     sess = eng.start([prompt], n_new, policy=policy)
     probes = 0
@@ -167,12 +178,14 @@ def _probe_policy_deploys_exactly(run: Path, tmp_path: Path) -> None:
         t = len(r.new_tokens)
         probe = sess.probe(0, *policy.probe)
         p = trace.positions_of(req).start + t
-        want = trace.confidence[p, trace.widths.index(2), : policy.probe[0]]
-        if probe:  # the probe's values: its confidences padded to KMAX, then where its match comes from
+        if not own:
+            assert probe == context[p], t
+        elif probe:  # the probe's values: its confidences padded to KMAX, then where its match comes from
+            want = trace.confidence[p, trace.widths.index(2), : policy.probe[0]]
             assert np.array_equal(np.float32(probe[: len(want)]), want) and not any(probe[len(want) : KMAX]), t
             assert probe[KMAX:] == list(sources[p]), t
         else:
-            assert not want.any(), t
+            assert not trace.confidence[p, trace.widths.index(2), : policy.probe[0]].any(), t
         probes += bool(probe)
         assert sess._choose(r) == policy.act(sess.observation(0, probe))
         top_k, layers = eng._obs_model  # the session's bound chooser is act_history's C++ path, the same object

@@ -247,10 +247,29 @@ def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
         live.close()
 
 
+@pytest.mark.parametrize("cost_name", ["roofline-qwen3-30b", "fitted"])
+def test_replay_equals_live_with_the_context_probe(greedy_trace, live_factory, cost_name):
+    """probe=True with a drafter without a probe (the EAGLE head): live's Session.probe runs the context probe
+    (engine.runtime.context_probe) over the request's tokens, replay recomputes it from the trace's tokens; the
+    observations, rounds and rewards agree, every round paying the probe's price in both (the fitted kind: the
+    cost model's price, as replay, not the measured seconds)."""
+    from engine.runtime.observation import KMAX
+
+    cost = COSTS.get(cost_name, {"kind": "fitted"})
+    replay = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=cost, cache=False, probe=True)
+    live = live_factory(cost=cost, probe=True, fit_trace=greedy_trace) if cost_name == "fitted" else live_factory(
+        cost=cost, probe=True)  # fmt: skip
+    assert replay.probe == live.probe and not replay._own_probe and not live._own_probe
+    cycle = [SpecConfig(depth=0), SpecConfig(depth=3, width=2), SpecConfig(depth=2, width=1)]
+    rounds = _same_episodes(replay, live, greedy_trace, cost_name, cycle, tol=(1e-4, 1e-6, 1e-5))
+    assert rounds and live.session.requests[0].rounds[-2].probe_seconds > 0
+    assert any(v and v[KMAX] > 0 for v in replay._probe_rows)  # a match was found (and observed alike) somewhere
+
+
 def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace):
     """The lookup's probe is timed where a probing policy runs it: before each live K = 0 round of the host
     calibration (Session.probe after the previous round's forward), and the fitted cost prices it from those samples;
-    a drafter without a probe (the EAGLE head) times none."""
+    a drafter without a probe (the EAGLE head) has the context probe timed so (engine.runtime.context_probe)."""
     from engine.cost.host_cost import fit_probe_cost
     from env.costs import FittedCostModel
 
@@ -260,4 +279,8 @@ def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace)
     assert probed.sum() >= 3 and not (probed & ~k0).any()  # K = 0 rounds only (the last one of a request: no probe)
     cm = FittedCostModel.from_trace(ngram_trace)
     assert cm.probe_fit == fit_probe_cost(a["cal_live_context"][probed], a["cal_live_probe_seconds"][probed])
-    assert not greedy_trace.arrays["cal_live_probe_seconds"].any()
+    g = greedy_trace.arrays
+    timed = g["cal_live_probe_seconds"] > 0
+    assert timed.sum() >= 3 and not (timed & ~(~g["cal_live_plain"] & (g["cal_live_draft_steps"] == 0))).any()
+    assert FittedCostModel.from_trace(greedy_trace).probe_fit == fit_probe_cost(
+        g["cal_live_context"][timed], g["cal_live_probe_seconds"][timed])  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -179,7 +181,41 @@ def test_fitted_cost_and_synthetic_routing(greedy_trace):
     assert len(synthetic.rounds[-1].distinct_experts) == 94
 
 
-def test_probe_needs_a_drafter_with_one(greedy_trace):
-    """probe=True on a trace whose drafter has no probe (the EAGLE head) is refused before any work."""
-    with pytest.raises(ValueError, match="probe=True needs a drafter with a probe"):
-        ReplayEnv(greedy_trace, grid=SMALL_GRID, probe=True, cache=False)
+@pytest.mark.parametrize("cost", ["roofline", "fitted"])
+def test_the_context_probe_for_a_drafter_without_one(greedy_trace, cost):
+    """probe=True on a trace whose drafter has no probe (the EAGLE head): the observation's last KMAX + 2 entries are
+    the context probe's values of the trace's tokens before each position (engine.runtime.context_probe, none where
+    nothing could be drafted), and every round pays its price (the cost model's `context_probe`), drafted or not."""
+    from engine.runtime.context_probe import ContextProbe
+    from engine.runtime.observation import KMAX
+
+    trace = greedy_trace
+    probed = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, probe=True, cache=False)
+    plain = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False)
+    assert probed.probe == (probed.grid.max_depth, max(probed.grid.widths)) and not probed._own_probe
+    K, W = probed.probe
+    cm, cp, found = probed.cost_model, ContextProbe(), 0
+    for req in range(trace.num_requests):
+        prompt = trace.prompt(req).tolist()
+        tokens = prompt + trace.continuation_of(req).tolist()
+        obs, _ = probed.reset(options={"request": req})
+        plain.reset(options={"request": req})
+        for i in itertools.count():
+            t, ctx = probed.position, len(prompt) + probed.position - 1
+            depth = min(K, trace.meta["max_new_tokens"] - t - 1)
+            want = cp.probe(tokens[: len(prompt) + t], len(prompt), depth, W)
+            np.testing.assert_array_equal(obs[-KMAX - 2 :], np.clip(np.float32(want or [0.0] * (KMAX + 2)), 0, 1))
+            found += bool(want) and want[KMAX] > 0
+            action = probed.codec.encode((i % 3, 0, 0, 0))  # K = 0, 1, 2 in turn
+            obs, _, term, trunc, info = probed.step(action)
+            _, _, _, _, ref = plain.step(action)
+            price = cm.context_probe(ctx) if depth > 0 else 0.0
+            assert info["cost"] == pytest.approx(ref["cost"] + price, rel=1e-12)
+            assert info["cost_draft"] == pytest.approx(ref["cost_draft"] + price, rel=1e-12)
+            if term or trunc:
+                break
+    assert found > 0
+    if cost == "roofline":
+        assert cm.context_probe(100) == pytest.approx(1e-5)  # the prompt lookup's host seconds (conf/drafter_spec)
+    else:  # timed in place before the live K = 0 rounds of the host calibration
+        assert cm.probe_fit is not None and 0 < cm.context_probe(100) < 1e-3
