@@ -194,6 +194,15 @@ def report_extras(extras: dict) -> str:
                 fit = ", ".join(f"{f:.3f}" for f in x.get("train_fit", {}).get(learner, {}).get(wl, [])) or "–"
                 share = ", ".join("– (no headroom)" if s != s else f"{s:.1%}" for s in shares)
                 lines.append(f"| {cost} | {learner} · {wl} | {share} | {fit} | {abl} |")
+    picks = [(c, learner, sel) for c, x in extras.items() for learner, sel in x.get("probe_selection", {}).items()]
+    if picks:
+        lines += ["", "The drafter has no probe of its own: each learner was trained with and without the context "
+                  "probe (the prompt lookup on the host before each choice, engine.runtime.context_probe, paid every "
+                  "round) and the variant whose policies commit more per cost on the training prompts (geometric "
+                  "mean over workloads and seeds) was kept:", ""]  # fmt: skip
+        for cost, learner, sel in picks:
+            fits = ", ".join(f"{k} {v:.4g}" for k, v in sel["train_committed_per_cost"].items())
+            lines.append(f"- {cost} · {learner}: **{sel['selected']}** (training prompts: {fits})")
     cal = next(iter(extras.values()), {}).get("calibration", {})
     if cal:
         lines += ["", "## Draft-confidence calibration (isotonic per depth, fitted on the training prompts)", ""]

@@ -40,6 +40,10 @@ class AlgoConf:
     # Session.probe): the drafter's own where it has one (the prompt lookup; a round drafting nothing pays for it),
     # else the context probe, the prompt lookup on the host (engine.runtime.context_probe; every round pays for it)
     probe: bool = True
+    # with the context probe (a drafter without a probe of its own): train with and without it and keep, per
+    # learner, the variant whose policies commit more per cost on the training prompts (it costs every round, so it
+    # can lose where speculation barely pays; ctrl.pipeline.train); False: always observe it
+    probe_select: bool = True
     normalize_reward: bool = True
     # SAC / TD3 (off-policy, Box action): replay buffer, warm-up steps, Polyak τ, vectorised steps per update,
     # updates per train_freq (-1: one per transition collected, SB3's convention; with 1 and 4 envs SAC saw a

@@ -13,7 +13,9 @@ so the policies differ only in cost.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -196,10 +198,17 @@ def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Seque
                      acceptance=acceptance, action_kind=action_kind, probe=probe)  # fmt: skip
 
 
-def probes(conf: MainConf, traces: dict[str, Any]) -> bool:
-    """Whether learned policies observe each round's probe (conf.algo.probe): the drafter's own (the prompt lookup),
-    or for a drafter without one the context probe (engine.runtime.context_probe)."""
-    return bool(conf.algo.probe)
+def probes(conf: MainConf, traces: dict[str, Any]) -> list[bool]:
+    """Whether learned policies observe each round's probe, as the variants to train: conf.algo.probe: the drafter's
+    own (the prompt lookup), or for a drafter without one the context probe (engine.runtime.context_probe), then both
+    with and without it when conf.algo.probe_select (`train` keeps the one that does better on the training prompts)."""
+    from env.costs import drafter_probes
+
+    if not conf.algo.probe:
+        return [False]
+    if conf.algo.probe_select and not all(drafter_probes(t) for t in traces.values()):
+        return [True, False]
+    return [True]
 
 
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:
@@ -259,26 +268,64 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     calibration = calibrate(conf, traces)
     acceptance = fit_acceptance_model(conf, traces)
     kind = action_kind(learner or conf.algo.name)
-    probe = probes(conf, traces)
-
-    def make_env(rank: int):
-        name = names[rank % len(names)]
-        train_ids, _ = split(traces[name], conf)
-        return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind, probe)
-
-    def make_eval_envs():
-        return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind, probe)
-                for n in names}  # fmt: skip
-
-    card = {"card": {"cost_model": cost.name, "workloads": names, "trace_digests": [traces[n].digest for n in names],
-                     "train_requests": conf.workloads.train, "calibration": calibration.to_dict(),
-                     "acceptance": acceptance.to_dict(),
-                     "probe": [grid.max_depth, max(grid.widths)] if probe else None}}  # fmt: skip
     algo = replace(conf.algo, name=learner or conf.algo.name)
-    config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: the resolved config
-    result = train_seeds(make_env, grid, algo, list(conf.seeds), out_dir / cost.name / algo.name, conf.wandb, config,
-                         progress, make_eval_envs)  # fmt: skip
-    return result.policy_paths
+    variants = probes(conf, traces)
+    home = out_dir / cost.name / algo.name
+
+    def run(probe: bool, folder: Path) -> list[Path]:
+        def make_env(rank: int):
+            name = names[rank % len(names)]
+            train_ids, _ = split(traces[name], conf)
+            return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind, probe)
+
+        def make_eval_envs():
+            return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind,
+                                  probe) for n in names}  # fmt: skip
+
+        card = {"card": {"cost_model": cost.name, "workloads": names,
+                         "trace_digests": [traces[n].digest for n in names], "train_requests": conf.workloads.train,
+                         "calibration": calibration.to_dict(), "acceptance": acceptance.to_dict(),
+                         "probe": [grid.max_depth, max(grid.widths)] if probe else None}}  # fmt: skip
+        config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: resolved config
+        return train_seeds(make_env, grid, algo, list(conf.seeds), folder, conf.wandb, config, progress,
+                           make_eval_envs).policy_paths  # fmt: skip
+
+    if len(variants) == 1:
+        return run(variants[0], home)
+    # the context probe costs every round: trained with and without it, the variant whose policies commit more per
+    # cost on the training prompts (mean over workloads and seeds) is kept; the held-out prompts decide nothing
+    fits: dict[str, float] = {}
+    trained: dict[str, list[Path]] = {}
+    for probe in variants:
+        label = "context-probe" if probe else "no-probe"
+        trained[label] = run(probe, home / "variants" / label)
+        fits[label] = _train_fit(conf, traces, cost, grid, calibration, acceptance, trained[label], probe)
+    best = max(fits, key=lambda k: fits[k])
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "probe_selection.json").write_text(json.dumps({"selected": best, "train_committed_per_cost": fits}))
+    out = []
+    for path in trained[best]:
+        dest = home / path.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(path, dest)
+        out.append(dest)
+    return out
+
+
+def _train_fit(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid: ActionGrid, calibration: Any,
+               acceptance: Any, paths: Sequence[Path], probe: bool) -> float:  # fmt: skip
+    """Geometric mean over workloads and seeds of the frozen policies' committed per cost on the training prompts."""
+    from engine.runtime.frozen import load_frozen_policy
+
+    frozen = [load_frozen_policy(p) for p in paths]
+    vals = []
+    for n in sorted(traces):
+        train_ids, _ = split(traces[n], conf)
+        env = replay_env(traces[n], cost, grid, train_ids, calibration, acceptance, probe=probe)
+        vals += [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
+                 for fp in frozen]  # fmt: skip
+    return float(np.exp(np.mean(np.log(vals))))  # geometric: every workload weighs alike
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -306,6 +353,11 @@ def evaluate(
     calibration = calibrate(conf, traces)
     acceptance = fit_acceptance_model(conf, traces)
     extras["calibration"], extras["acceptance"] = {}, {}
+    extras["probe_selection"] = {
+        learner: json.loads(f.read_text())
+        for learner, paths in policy_paths.items()
+        if paths and (f := Path(paths[0]).parent / "probe_selection.json").is_file()
+    }
     for name in sorted(traces):
         trace = traces[name]
         train_ids, test_ids = split(trace, conf)

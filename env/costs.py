@@ -231,8 +231,6 @@ def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tu
         return None
 
 
-
-
 def drafter_probes(trace: Any) -> bool:
     """True when the trace's drafter has a probe (`NGramDrafter.probe`; its trace timed one at every position)."""
     return _is_lookup(trace.meta["drafter"]["name"])

@@ -138,17 +138,31 @@ def test_main_job_with_the_prompt_lookup_drafter(tmp_path):
     assert live and all(r["committed_per_cost"] == r["replay_committed_per_cost"] for r in live)  # live == replay
     report = (run / "report.md").read_text()
     assert "drafter prompt lookup (n-gram, model-free)" in report and "host-side prompt lookup" in report
-    _probe_policy_deploys_exactly(run, tmp_path)
+    _probe_policy_deploys_exactly(next((run / "policies" / "measured-cpu" / "aggrevate").glob("seed*")), tmp_path)
 
 
 def test_main_job_s_policy_observes_the_context_probe(smoke_run):
-    """The default job's drafter (the EAGLE head) has no probe: its learned policies observe the context probe (the
-    prompt lookup on the host, engine.runtime.context_probe), deployed exactly as replay observed it."""
+    """The default job's drafter (the EAGLE head) has no probe: each learner is trained with and without the context
+    probe (the prompt lookup on the host, engine.runtime.context_probe) and the variant that does better on the
+    training prompts is kept (the report says which, with both figures); the context-probe variant deploys exactly as
+    replay observed it."""
     tmp, run, _ = smoke_run
-    _probe_policy_deploys_exactly(run, tmp, ("eagle-head", "expert-predictor"))
+    extras = json.loads((run / "extras.json").read_text())
+    report = (run / "report.md").read_text()
+    assert "trained with and without the context probe" in report
+    for cost in ("roofline-h200-qwen3_30b_a3b", "measured-cpu"):
+        for learner in ("aggrevate", "ppo"):
+            sel = extras[cost]["probe_selection"][learner]
+            fits = sel["train_committed_per_cost"]
+            assert set(fits) == {"context-probe", "no-probe"} and sel["selected"] == max(fits, key=fits.get)
+            kept = load_frozen_policy(next((run / "policies" / cost / learner).glob("seed*")))
+            assert (kept.probe is not None) == (sel["selected"] == "context-probe"), (cost, learner)
+            assert f"{cost} · {learner}: **{sel['selected']}**" in report
+    variant = next((tmp / "cache" / "policies").glob("*/measured-cpu/aggrevate/variants/context-probe/seed0"))
+    _probe_policy_deploys_exactly(variant, tmp, ("eagle-head", "expert-predictor"))
 
 
-def _probe_policy_deploys_exactly(run: Path, tmp_path: Path, drafter: tuple = ("ngram", None)) -> None:
+def _probe_policy_deploys_exactly(path: Path, tmp_path: Path, drafter: tuple = ("ngram", None)) -> None:
     """A learned policy observes the probe (`confidence_now`, `match_now`): deployed in the engine, the session
     probes the tree its card names before every choice; the probe equals what replay observed at that position (the
     lookup: the trace's recorded confidence, with the match source replay computes from the trace's tokens; a drafter
@@ -159,7 +173,6 @@ def _probe_policy_deploys_exactly(run: Path, tmp_path: Path, drafter: tuple = ("
     from env.replay import context_probes, probed_sources
     from env.trace import load_trace
 
-    path = next((run / "policies" / "measured-cpu" / "aggrevate").glob("seed*"))
     policy = load_frozen_policy(path)
     assert policy.probe == (4, 2)  # the smoke grid's Kmax and widest W
     trace = load_trace(next((tmp_path / "cache" / "traces").glob("code-*.npz")))
