@@ -619,8 +619,8 @@ def test_multirun_sweep_with_the_local_launcher(smoke_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "JoblibLauncher" in proc.stdout + proc.stderr or "Joblib" in proc.stdout + proc.stderr
     for job, seed in (("0", 0), ("1", 1)):
-        cards = sorted((sweep / job).rglob("policy.json"))
-        assert len(cards) == 2, cards  # one per cost model
+        cards = sorted(c for c in (sweep / job).rglob("policy.json") if "variants" not in c.parts)
+        assert len(cards) == 2, cards  # one per cost model (the kept probe variant; both under variants/)
         assert all(json.loads(c.read_text())["algo"] == "td3" and json.loads(c.read_text())["seed"] == seed
                    for c in cards)  # fmt: skip
 
@@ -693,8 +693,8 @@ def test_train_and_evaluate_entry_points(smoke_run):
     cmd = [sys.executable, "-m", "ctrl.train", "+experiment=main_smoke", "learners=[aggrevate]", f"hydra.run.dir={run}"]
     proc = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    policies = sorted(run.rglob("policy.json"))
-    assert len(policies) == 2  # one per cost model (one seed)
+    policies = sorted(p for p in run.rglob("policy.json") if "variants" not in p.parts)
+    assert len(policies) == 2  # one per cost model (one seed; the probe variants trained for it under variants/)
     ev = tmp / "eval_run"
     cmd = [sys.executable, "-m", "ctrl.evaluate", "+experiment=main_smoke", f"policy_path={policies[0].parent}",
            f"hydra.run.dir={ev}"]  # fmt: skip
