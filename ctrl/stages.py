@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ctrl.config import MainConf
-from ctrl.pipeline import evaluate, train
+from ctrl.pipeline import evaluate, probes, train
 from engine.paths import cache_dir
 
 POLICY_CACHE_VERSION = 9  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card,
@@ -61,8 +61,8 @@ def learned_policies(conf: MainConf, traces, cost, position: int = 0) -> dict[st
         if len(paths) != len(conf.seeds):
             from ctrl.agent import progress_steps
 
-            tb = tqdm(total=progress_steps(conf.algo, learner) * len(conf.seeds), desc=f"train {learner} ({cost.name})",
-                      disable=not conf.progress, position=position)  # fmt: skip
+            steps = progress_steps(conf.algo, learner) * len(conf.seeds) * len(probes(conf, traces))  # probe variants
+            tb = tqdm(total=steps, desc=f"train {learner} ({cost.name})", disable=not conf.progress, position=position)
             paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
             tb.close()
         learned[learner] = paths
