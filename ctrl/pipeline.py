@@ -293,7 +293,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     if len(variants) == 1:
         return run(variants[0], home)
     # the context probe costs every round: trained with and without it, the variant whose policies commit more per
-    # cost on the training prompts (mean over workloads and seeds) is kept; the held-out prompts decide nothing
+    # cost on the training prompts (geometric mean over workloads and seeds) is kept; held-out prompts decide nothing
     fits: dict[str, float] = {}
     trained: dict[str, list[Path]] = {}
     for probe in variants:
