@@ -53,7 +53,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -96,19 +96,23 @@ def as_cost_conf(cost: CostConf | dict | str | None) -> CostConf:
     raise TypeError(f"cost must be a CostConf, a dict of its fields, a kind name or None, got {type(cost).__name__}")
 
 
+def _prefixes(trace: Trace) -> Iterator[tuple[list[int], int]]:
+    """Per position [P], in order: (the prompt and the committed tokens before it, the prompt's length)."""
+    for i in range(trace.num_requests):
+        prompt = [int(x) for x in trace.prompt(i)]
+        tokens = prompt + [int(x) for x in trace.continuation_of(i)]
+        P = len(prompt)
+        for t in range(len(trace.positions_of(i))):
+            yield tokens[: P + t], P
+
+
 def probed_sources(trace: Trace) -> list[tuple[float, float]]:
     """Per position [P]: where the prompt lookup's match at that position comes from, (recency, in_output) of
     engine.drafting.suffix.match_source over the prompt and the committed tokens before it — what
     `NGramDrafter.probed_source` gives a deployed policy (the drafter's n-gram bounds from its digest)."""
     m = re.search(r"max(\d+)-min(\d+)", str(trace.meta["drafter"].get("digest", "")))
     hi, lo = (int(m.group(1)), int(m.group(2))) if m else (4, 1)
-    out: list[tuple[float, float]] = []
-    for i in range(trace.num_requests):
-        prompt = [int(x) for x in trace.prompt(i)]
-        tokens = prompt + [int(x) for x in trace.continuation_of(i)]
-        P = len(prompt)
-        out += [match_source(tokens[: P + t], P, hi, lo) for t in range(len(trace.positions_of(i)))]
-    return out
+    return [match_source(tokens, P, hi, lo) for tokens, P in _prefixes(trace)]
 
 
 def context_probes(trace: Trace, depth: Sequence[int], width: int) -> list[list[float]]:
@@ -116,14 +120,7 @@ def context_probes(trace: Trace, depth: Sequence[int], width: int) -> list[list[
     and the committed tokens before it, a `depth[p]` × `width` tree; [] where depth[p] <= 0), what `Session.probe`
     gives a deployed policy whose drafter has no probe."""
     probe = ContextProbe()
-    out: list[list[float]] = []
-    for i in range(trace.num_requests):
-        prompt = [int(x) for x in trace.prompt(i)]
-        tokens = prompt + [int(x) for x in trace.continuation_of(i)]
-        P = len(prompt)
-        for t in range(len(trace.positions_of(i))):
-            out.append(probe.probe(tokens[: P + t], P, int(depth[len(out)]), width))
-    return out
+    return [probe.probe(tokens, P, int(d), width) for (tokens, P), d in zip(_prefixes(trace), depth, strict=True)]
 
 
 def check_grid_against_trace(grid: ActionGrid, trace: Trace) -> None:
@@ -210,8 +207,8 @@ class ReplayEnv(gym.Env):
         self._routing = None
 
     def _set_probe(self) -> None:
-        """`probe=True` (module docstring): the probed confidences per position, and the tables' K = 0 columns
-        priced with the probe (a copy: the cached tables stay those of every other env)."""
+        """`probe=True` (module docstring): the probe values per position, and the tables' columns of the rounds that
+        pay for the probe priced with it (a copy: the cached tables stay those of every other env)."""
         trace, grid = self.trace, self.grid
         own = self._own_probe = drafter_probes(trace)  # the drafter's own probe (the lookup), else the context probe
         K, W = grid.max_depth, max(grid.widths)

@@ -112,7 +112,8 @@ class RequestRecorder:
         for s in seqs:
             drafter.start(s, list(prompt), target_hidden=pre.hidden)
         probe, probe_seq = getattr(drafter, "probe", None), len(seqs)  # its own sequence: no draft takes its match
-        if probe is not None:  # started like the others: the lookup's match source reads the prompt's length
+        own_probe = probe is not None
+        if own_probe:  # started like the others: the lookup's match source reads the prompt's length
             drafter.start(probe_seq, list(prompt), target_hidden=pre.hidden)
         else:  # a drafter without a probe: a probing policy runs the context probe (engine.runtime.context_probe)
             context = ContextProbe()
@@ -273,7 +274,7 @@ class RequestRecorder:
         finally:
             for s in seqs:
                 drafter.finish(s)
-            if getattr(drafter, "probe", None) is not None:
+            if own_probe:
                 drafter.finish(probe_seq)
             if 0 in kv.seqs:
                 kv.release(0)
