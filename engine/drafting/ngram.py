@@ -38,10 +38,12 @@ class NGramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
-        self._probed: dict[int, tuple[int, int, int, SuffixMatch]] = {}  # seq -> (len(tokens), depth, width, match)
+        # seq -> (len(tokens), depth, width, the match: a SuffixMatch or its fields as the C++ probe returns them)
+        self._probed: dict[int, tuple[int, int, int, SuffixMatch | tuple]] = {}
         self._prompt_len: dict[int, int] = {}  # seq -> its prompt's length (`start`)
         self._source: dict[int, tuple[float, float]] = {}  # seq -> its last probe's match source
-        lookup.native()  # load (or build) the C++ lookup now, never inside a timed round
+        fns = lookup.native()  # load (or build) the C++ lookup now, never inside a timed round
+        self._native_probe = fns[1] if fns is not None else None
 
     predicts_experts = False  # no expert predictor: λ > 0 is refused by the engine
 
@@ -79,6 +81,37 @@ class NGramDrafter:
         self._probed[seq_id] = (len(tokens), depth, width, match)
         self._source[seq_id] = source
         return conf
+
+    def probe_with_source(
+        self, seq_id: int, tokens: list[int], depth: int, width: int
+    ) -> tuple[list[float], float, float]:
+        """`probe` and `probed_source` in one call (depth, width > 0): (confidence per depth, recency, in_output).
+        The hot path of a policy's probe (Session.probe): the C++ call's results are kept as they come, the match
+        built only if a draft takes it (`_match`)."""
+        fn = self._native_probe
+        if fn is None:
+            conf = self.probe(seq_id, tokens, depth, width)
+            recency, in_output = self._source[seq_id]
+            return conf, recency, in_output
+        n = len(tokens)
+        conf, conts, ngram, followers, recency, in_output = fn(
+            tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES,
+            self._prompt_len.get(seq_id, n))  # fmt: skip
+        self._probed[seq_id] = (n, depth, width, (conts, ngram, followers))
+        self._source[seq_id] = (recency, in_output)
+        return conf, recency, in_output
+
+    def lookup_probe_source(
+        self, tokens: list[int], prompt_len: int, depth: int, width: int
+    ) -> tuple[list[float], float, float]:
+        """`lookup_probe` without the match (depth, width > 0): (confidence per depth, recency, in_output)."""
+        fn = self._native_probe
+        if fn is None:
+            conf, _, (recency, in_output) = self.lookup_probe_py(tokens, prompt_len, depth, width)
+            return conf, recency, in_output
+        conf, _, _, _, recency, in_output = fn(tokens, depth, width, self.max_ngram, self.min_ngram,
+                                               max(MAX_DEPTH, depth), MAX_TREE_NODES, prompt_len)  # fmt: skip
+        return conf, recency, in_output
 
     def probed_source(self, seq_id: int) -> tuple[float, float]:
         """(recency, in_output) of the lookup's match found by this sequence's last `probe` ((0, 0): none)."""
@@ -126,6 +159,8 @@ class NGramDrafter:
         probed = self._probed.pop(seq_id, None)
         if probed is not None and probed[0] == len(tokens) and depth <= probed[1] and width <= probed[2]:
             m = probed[3]  # the probe's match, narrowed and cut (`probe`)
+            if isinstance(m, tuple):  # as `probe_with_source` kept it
+                m = SuffixMatch(*m)
             return SuffixMatch([c[:depth] for c in m.continuations[:width]], m.ngram, m.followers)
         # chosen as for the deepest draft, then cut: a depth-K tree is the depth-K prefix of any deeper one
         return suffix_match(tokens, depth, width, self.max_ngram, self.min_ngram, select_depth=MAX_DEPTH)

@@ -52,6 +52,8 @@ from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams, make_generator
 
+_ZEROS = (0.0,) * KMAX  # a probe's confidences padded to KMAX
+
 
 @dataclass(frozen=True)
 class _Saved:
@@ -102,6 +104,7 @@ class Session:
         # the prompt lookup probing for a drafter without a probe (engine.runtime.context_probe), built before a round
         drafter = engine.drafter
         self._context = ContextProbe() if drafter is not None and getattr(drafter, "probe", None) is None else None
+        self._probe_with_source = getattr(drafter, "probe_with_source", None)  # the lookup's probe in one call
 
     # ------------------------------------------------------------------ membership
     @property
@@ -185,8 +188,12 @@ class Session:
         if drafter is None or depth <= 0 or width <= 0:
             return []
         fn = getattr(drafter, "probe", None)
+        fused = self._probe_with_source
         t0 = time.perf_counter()
-        if fn is None:
+        if fused is not None:  # probe_values(confidences, source), built without its per-value float()
+            conf, recency, in_output = fused(r.index, r.tokens, depth, int(width))
+            out = [*conf[:KMAX], *_ZEROS[len(conf) :], recency, in_output]
+        elif fn is None:
             out = self._context.probe(r.tokens, len(r.prompt), depth, int(width))
         else:
             out = fn(r.index, r.tokens, depth, int(width))

@@ -10,7 +10,7 @@ import pytest
 
 from engine.drafting.ngram import NGramDrafter
 from engine.drafting.protocol import MAX_TREE_NODES
-from engine.drafting.suffix import match_source, match_source_py, suffix_match, suffix_match_py
+from engine.drafting.suffix import SuffixMatch, match_source, match_source_py, suffix_match, suffix_match_py
 from engine.spec.config import MAX_DEPTH
 from kernels import lookup
 
@@ -63,6 +63,30 @@ def test_probe_equals_its_python_twin_and_keeps_the_same_match():
         assert (n1, d1, w1, _fields(m1)) == (n2, d2, w2, _fields(m2))
         assert fast.probed_source(0) == slow.probed_source(0) == match_source_py(tokens, len(prompt), max_ngram,
                                                                                  min_ngram)  # fmt: skip
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_probe_with_source_is_probe_and_its_source_in_one_call(native):
+    """`probe_with_source` (Session.probe's path) = (probe, probed_source) of the Python twin, with or without the C++
+    lookup, and keeps the same match for the round's draft; `lookup_probe_source` = lookup_probe_py less the match."""
+    rng = random.Random(7)
+    for tokens, depth, width, max_ngram, min_ngram in _cases(3):
+        if depth <= 0 or width <= 0:
+            continue
+        fast, slow = NGramDrafter(64, max_ngram, min_ngram), NGramDrafter(64, max_ngram, min_ngram)
+        if not native:
+            fast._native_probe = None
+        prompt = tokens[: rng.randrange(0, len(tokens) + 1)]
+        fast.start(0, prompt)
+        slow.start(0, prompt)
+        conf, recency, in_output = fast.probe_with_source(0, tokens, depth, width)
+        assert conf == slow.probe_py(0, tokens, depth, width), (tokens, depth, width)
+        assert (recency, in_output) == slow.probed_source(0) == fast.probed_source(0)
+        (n1, d1, w1, m1), (n2, d2, w2, m2) = fast._probed[0], slow._probed[0]
+        m1 = SuffixMatch(*m1) if isinstance(m1, tuple) else m1
+        assert (n1, d1, w1, _fields(m1)) == (n2, d2, w2, _fields(m2))
+        want_conf, _, want_source = slow.lookup_probe_py(tokens, len(prompt), depth, width)
+        assert fast.lookup_probe_source(tokens, len(prompt), depth, width) == (want_conf, *want_source)
 
 
 def test_probe_respects_the_node_budget(monkeypatch):
