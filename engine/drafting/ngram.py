@@ -88,15 +88,13 @@ class NGramDrafter:
         """`probe` and `probed_source` in one call (depth, width > 0): (confidence per depth, recency, in_output).
         The hot path of a policy's probe (Session.probe): the C++ call's results are kept as they come, the match
         built only if a draft takes it (`_match`)."""
-        fn = self._native_probe
-        if fn is None:
+        n = len(tokens)
+        raw = self._lookup_raw(tokens, self._prompt_len.get(seq_id, n), depth, width)
+        if raw is None:
             conf = self.probe(seq_id, tokens, depth, width)
             recency, in_output = self._source[seq_id]
             return conf, recency, in_output
-        n = len(tokens)
-        conf, conts, ngram, followers, recency, in_output = fn(
-            tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES,
-            self._prompt_len.get(seq_id, n))  # fmt: skip
+        conf, conts, ngram, followers, recency, in_output = raw
         self._probed[seq_id] = (n, depth, width, (conts, ngram, followers))
         self._source[seq_id] = (recency, in_output)
         return conf, recency, in_output
@@ -105,13 +103,19 @@ class NGramDrafter:
         self, tokens: list[int], prompt_len: int, depth: int, width: int
     ) -> tuple[list[float], float, float]:
         """`lookup_probe` without the match (depth, width > 0): (confidence per depth, recency, in_output)."""
-        fn = self._native_probe
-        if fn is None:
+        raw = self._lookup_raw(tokens, prompt_len, depth, width)
+        if raw is None:
             conf, _, (recency, in_output) = self.lookup_probe_py(tokens, prompt_len, depth, width)
             return conf, recency, in_output
-        conf, _, _, _, recency, in_output = fn(tokens, depth, width, self.max_ngram, self.min_ngram,
-                                               max(MAX_DEPTH, depth), MAX_TREE_NODES, prompt_len)  # fmt: skip
-        return conf, recency, in_output
+        return raw[0], raw[4], raw[5]
+
+    def _lookup_raw(self, tokens: list[int], prompt_len: int, depth: int, width: int) -> tuple | None:
+        """The C++ probe's (confidence, continuations, ngram, followers, recency, in_output), None without it."""
+        fn = self._native_probe
+        if fn is None:
+            return None
+        return fn(tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES,
+                  prompt_len)  # fmt: skip
 
     def probed_source(self, seq_id: int) -> tuple[float, float]:
         """(recency, in_output) of the lookup's match found by this sequence's last `probe` ((0, 0): none)."""
@@ -130,12 +134,11 @@ class NGramDrafter:
         """`probe` without state (depth, width > 0): (confidence per depth [<= depth], the match, where it comes from
         (recency, in_output), engine.drafting.suffix.match_source, the first `prompt_len` tokens being the prompt).
         One C++ call (kernels.lookup) when it is built; `lookup_probe_py` is its twin."""
-        fns = lookup.native()
-        if fns is None:
+        raw = self._lookup_raw(tokens, prompt_len, depth, width)
+        if raw is None:
             return self.lookup_probe_py(tokens, prompt_len, depth, width)
-        args = (tokens, depth, width, self.max_ngram, self.min_ngram, max(MAX_DEPTH, depth), MAX_TREE_NODES)
-        conf, conts, ngram, followers, *source = fns[1](*args, prompt_len)
-        return conf, SuffixMatch(conts, ngram, followers), (float(source[0]), float(source[1]))
+        conf, conts, ngram, followers, recency, in_output = raw
+        return conf, SuffixMatch(conts, ngram, followers), (float(recency), float(in_output))
 
     def lookup_probe_py(
         self, tokens: list[int], prompt_len: int, depth: int, width: int

@@ -19,9 +19,7 @@ lookup's own probe gives; replay computes the same values from a trace's tokens 
 from __future__ import annotations
 
 from engine.drafting.ngram import NGramDrafter
-from engine.runtime.observation import KMAX
-
-_ZEROS = (0.0,) * KMAX
+from engine.runtime.observation import probe_values_of
 
 
 class ContextProbe:
@@ -35,5 +33,4 @@ class ContextProbe:
         `prompt_len` of them the prompt); [] when depth or width is not positive."""
         if depth <= 0 or width <= 0:
             return []
-        conf, recency, in_output = self._lookup.lookup_probe_source(tokens, prompt_len, depth, width)
-        return [*conf[:KMAX], *_ZEROS[len(conf) :], recency, in_output]  # probe_values, without its float() per value
+        return probe_values_of(*self._lookup.lookup_probe_source(tokens, prompt_len, depth, width))

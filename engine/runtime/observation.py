@@ -156,6 +156,15 @@ def probe_values(confidence: Sequence[float], source: Sequence[float]) -> list[f
     return [*_pad(confidence), float(source[0]), float(source[1])]
 
 
+_ZEROS = (0.0,) * KMAX
+
+
+def probe_values_of(confidence: list[float], recency: float, in_output: float) -> list[float]:
+    """`probe_values(confidence, (recency, in_output))` for values that are floats already (the C++ lookup's): the
+    same list, without converting each value again (a probing policy's hot path, every round)."""
+    return [*confidence[:KMAX], *_ZEROS[len(confidence) :], recency, in_output]
+
+
 def _probe_parts(probe: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, float]]:
     """(confidence_now [KMAX], match_now) of a probe's values: confidences alone, or `probe_values`."""
     if len(probe) > KMAX:

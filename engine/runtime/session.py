@@ -46,13 +46,11 @@ import torch
 
 from engine.models.kv_cache import KVCacheFull
 from engine.runtime.context_probe import ContextProbe
-from engine.runtime.observation import KMAX, History, Observation, observation_values, probe_values
+from engine.runtime.observation import KMAX, History, Observation, observation_values, probe_values, probe_values_of
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams, make_generator
-
-_ZEROS = (0.0,) * KMAX  # a probe's confidences padded to KMAX
 
 
 @dataclass(frozen=True)
@@ -190,9 +188,8 @@ class Session:
         fn = getattr(drafter, "probe", None)
         fused = self._probe_with_source
         t0 = time.perf_counter()
-        if fused is not None:  # probe_values(confidences, source), built without its per-value float()
-            conf, recency, in_output = fused(r.index, r.tokens, depth, int(width))
-            out = [*conf[:KMAX], *_ZEROS[len(conf) :], recency, in_output]
+        if fused is not None:  # the lookup's confidences and source in one call
+            out = probe_values_of(*fused(r.index, r.tokens, depth, int(width)))
         elif fn is None:
             out = self._context.probe(r.tokens, len(r.prompt), depth, int(width))
         else:
