@@ -53,11 +53,14 @@ def boundary(cost, conf: MainConf) -> str:
         f"action of the whole grid chosen on the {w.train} training prompts (static-best-train) or on the "
         "held-out prompts themselves (static-best-test). Unit of committed/cost: tokens per second of cost. "
         + ("Counted: drafting, the probe (the drafter's, or the context probe's prompt lookup, for a policy that "
-           "observes it), target verification and the engine's host work per round; not counted: the controller's "
-           "choice (measured separately: `python -m engine.bench mode=policy`)." if cost.kind == "fitted" else
+           "observes it), target verification and the engine's host work per round" if cost.kind == "fitted" else
            "Counted: drafter and target verification, and the probe of a policy that observes it (the context "
-           "probe's prompt lookup priced as the lookup's drafting round, 10 µs of host work); not counted: "
-           "controller overhead (measured separately).")
+           "probe's prompt lookup priced as the lookup's drafting round, 10 µs of host work)")
+        + ((", and the learned policies' choice every round (" + ("its timings in place on this machine, a stand-in "
+           "of its shape before the live K = 0 rounds" if cost.kind == "fitted" else "10 µs of host work") + "); not "
+           "counted: the rules' choices (a few arithmetic operations each) and the oracle's (a bound)."
+           ) if conf.algo.price_choice else "; not counted: any controller's choice (measured separately: "
+           "`python -m engine.bench mode=policy`).")
     )  # fmt: skip
     transfer = (f" Learned policies: trained under {cost.policies_from}, evaluated here unchanged (a transfer "
                 "result)." if cost.policies_from else "")  # fmt: skip

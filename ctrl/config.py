@@ -44,6 +44,10 @@ class AlgoConf:
     # learner, the variant whose policies commit more per cost on the training prompts (it costs every round, so it
     # can lose where speculation barely pays; ctrl.pipeline.train); False: always observe it
     probe_select: bool = True
+    # learned policies pay their choice every round, in training and evaluation alike (the cost model's `choice`:
+    # under the measured cost its timings in place, env.host_calibration; under the roofline 10 µs of host work);
+    # rules and static actions are not charged theirs
+    price_choice: bool = True
     normalize_reward: bool = True
     # SAC / TD3 (off-policy, Box action): replay buffer, warm-up steps, Polyak τ, vectorised steps per update,
     # updates per train_freq (-1: one per transition collected, SB3's convention; with 1 and 4 envs SAC saw a

@@ -191,11 +191,11 @@ def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
 
 def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None,
                calibration: Any = None, acceptance: Any = None, action_kind: str = "multidiscrete",
-               probe: bool = False):  # fmt: skip
+               probe: bool = False, choice: bool = False):  # fmt: skip
     from env.replay import ReplayEnv
 
     return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration,
-                     acceptance=acceptance, action_kind=action_kind, probe=probe)  # fmt: skip
+                     acceptance=acceptance, action_kind=action_kind, probe=probe, choice=choice)  # fmt: skip
 
 
 def probes(conf: MainConf, traces: dict[str, Any]) -> list[bool]:
@@ -276,11 +276,12 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
         def make_env(rank: int):
             name = names[rank % len(names)]
             train_ids, _ = split(traces[name], conf)
-            return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind, probe)
+            return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind, probe,
+                              algo.price_choice)  # fmt: skip
 
         def make_eval_envs():
             return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind,
-                                  probe) for n in names}  # fmt: skip
+                                  probe, algo.price_choice) for n in names}  # fmt: skip
 
         card = {"card": {"cost_model": cost.name, "workloads": names,
                          "trace_digests": [traces[n].digest for n in names], "train_requests": conf.workloads.train,
@@ -322,7 +323,8 @@ def _train_fit(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid:
     vals = []
     for n in sorted(traces):
         train_ids, _ = split(traces[n], conf)
-        env = replay_env(traces[n], cost, grid, train_ids, calibration, acceptance, probe=probe)
+        env = replay_env(traces[n], cost, grid, train_ids, calibration, acceptance, probe=probe,
+                         choice=conf.algo.price_choice)  # fmt: skip
         vals += [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
                  for fp in frozen]  # fmt: skip
     return float(np.exp(np.mean(np.log(vals))))  # geometric: every workload weighs alike
@@ -362,9 +364,16 @@ def evaluate(
         trace = traces[name]
         train_ids, test_ids = split(trace, conf)
         env = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance)
-        # the learned policies' env: with the probe they observe (and pay for) when they were trained with one
-        lenv = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=True) if any(
-            fp.probe for fps in frozen.values() for fp in fps) else env  # fmt: skip
+        # the learned policies' envs: with the probe they observe (and pay for) when they were trained with one, and
+        # their choice priced (conf.algo.price_choice)
+        learned_envs: dict[bool, Any] = {}
+
+        def learned_env(probe: bool, envs=learned_envs, trace=trace, env=env) -> Any:
+            if probe not in envs:
+                envs[probe] = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=probe,
+                                         choice=conf.algo.price_choice) if probe or conf.algo.price_choice else env
+            return envs[probe]
+
         from env.calibration import acceptance_error, calibration_error
 
         extras["calibration"][name] = calibration_error(trace, calibration, test_ids)
@@ -403,7 +412,7 @@ def evaluate(
         for learner, fps in frozen.items():
             seed_rows = []
             for k, fp in enumerate(fps):
-                fenv = lenv if fp.probe else env
+                fenv = learned_env(bool(fp.probe))
                 reqs = run_requests(fenv, test_ids, frozen_runner(fp, fenv), "index")
                 r = row(f"{learner}-seed{k}", name, cost, reqs, seed=fp.card.get("seed"), trained_under=trained)
                 rows.append(r)
@@ -428,13 +437,14 @@ def evaluate(
                 else float("nan")
                 for r in seed_rows
             ]
-            fenv = lenv if fps[0].probe else env
+            fenv = learned_env(bool(fps[0].probe))
             extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, best_train, fenv)
             if conf.ablation:
                 extras["ablation"].setdefault(learner, {})[name] = ablation(fenv, test_ids, fps, grid, best_train[0])
         if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
-            rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"],
-                              next(iter(frozen.values()), [])[:1], env, calibration, acceptance, lenv)  # fmt: skip
+            first = next(iter(frozen.values()), [])[:1]
+            rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"], first,
+                              env, calibration, acceptance, learned_env)  # fmt: skip
         for pol_name, reqs in runs.items():
             if pol_name in (*frozen, "static-best-train", "cascade", "evict", "oracle", "target-only"):
                 plot[pol_name] = per_policy_plot_data(reqs)
@@ -447,11 +457,12 @@ _MODELS: dict[tuple, Any] = {}
 
 def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, grid: ActionGrid,
               requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any,
-              calibration: Any = None, acceptance: Any = None, probe_replay: Any = None) -> list[dict]:  # fmt: skip
+              calibration: Any = None, acceptance: Any = None,
+              learned_replay: Callable[[bool], Any] | None = None) -> list[dict]:  # fmt: skip
     """The same held-out requests on the live engine (expertspec/Live-v0): target-only, static-best-train and
     the first learned seed, each with `replay_committed_per_cost`, replay's figure on the same requests (equal
     under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says);
-    `probe_replay`: the replay env with the probe, where a learned policy that observes it runs."""
+    `learned_replay(probe)`: the replay env a learned policy runs in (its probe, its choice priced)."""
     from env.live import LiveEnv
     from env.models import load_models
 
@@ -465,18 +476,19 @@ def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, gri
                   max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
                   cost=env_cost(cost),
                   fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration,
-                  acceptance=acceptance)  # fmt: skip
+                  acceptance=acceptance, choice=conf.algo.price_choice)  # fmt: skip
     local = list(range(len(requests)))
     out = []
     idx = tuple(static[f"{workload}/static-best-train"])
     actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)), False)] if grid.depths[0] == 0 else []
     actors.append(("static-best-train", static_runner(env, idx), False))
     if frozen:
-        actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env), probe))
-    shape = env.probe
-    for label, act, probed in actors:
-        env.probe = shape if probed else None  # only the policy that observes the probe runs (and pays) it
-        twin = probe_replay if probed else replay  # the replay env it ran in (with the probe it pays)
+        actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env), True))
+    shape, choice = env.probe, env.choice_seconds
+    for label, act, learned in actors:
+        # only the learned policy runs (and pays) the probe it observes, and pays its choice
+        env.probe, env.choice_seconds = (shape, choice) if learned else (None, 0.0)
+        twin = learned_replay(probe) if learned and learned_replay is not None else replay  # the replay env it ran in
         same = summarize(run_requests(twin, list(requests), act, "index")).committed_per_cost
         reqs = []
         for i in local:

@@ -48,10 +48,11 @@ class RoundCost:
     verify: float
     book: float
     ar: float
+    choice: float = 0.0  # a learned controller's choice before the round (CostModel.choice), where it is priced
 
     @property
     def total(self) -> float:
-        return self.draft + self.verify + self.book
+        return self.draft + self.verify + self.book + self.choice
 
 
 class CostModel:
@@ -103,6 +104,13 @@ class CostModel:
         (conf/drafter_spec/prompt_lookup: its host seconds); the fitted kind: its timed probes' fit."""
         return _lookup_host_seconds()
 
+    def choice(self) -> float:
+        """A learned controller's choice before a round (the frozen policy in the engine's session: observation values,
+        calibration, actor, action check; host work while the device waits): CHOICE_HOST_SECONDS; the fitted kind:
+        its timings in place (env.host_calibration). What env.replay and env.live add to each round of a policy
+        priced with its choice (their `choice=True`)."""
+        return CHOICE_HOST_SECONDS
+
     def book(self, n: int) -> float:
         """T_book: the engine's host work of a round verifying n tokens (0 unless measured: the fitted kind)."""
         return 0.0
@@ -139,6 +147,12 @@ class CostModel:
             )
             out.append((verify + self.book(n)) / ar)
         return tuple(float(x) for x in out)
+
+
+# a learned controller's choice on the host of a modelled machine: priced as the prompt lookup's host work (10 µs);
+# measured in place on 2 CPU cores (`python -m engine.bench mode=policy`): 6–7 µs with the lookup, 9–33 µs with the
+# EAGLE head (README, Controllers)
+CHOICE_HOST_SECONDS = 1.0e-5
 
 
 @functools.cache

@@ -107,10 +107,13 @@ class FittedCostModel(CostModel):
         host: HostCost | None = None,
         plain_step: FittedCost | None = None,
         probe_fit: ProbeCost | None = None,
+        choice_seconds: float | None = None,
     ) -> None:
         """plain_step: a target-only engine's forward (T_AR's; default `target.decode`); probe_fit: the drafter's timed
-        probes (default: priced as drafting, CostModel.probe)."""
+        probes (default: priced as drafting, CostModel.probe); choice_seconds: a learned controller's choice, the mean
+        of its timings in place (default: CostModel.choice's constant)."""
         self.target, self.drafter_fit, self.probe_fit = target, drafter, probe_fit
+        self.choice_seconds = choice_seconds
         self.host = host if host is not None else HostCost(0.0, 0.0, 0.0, 0.0)
         self.plain_step = plain_step if plain_step is not None else target.decode
         self.routing_shape = routing_shape
@@ -121,7 +124,8 @@ class FittedCostModel(CostModel):
             dataclasses.asdict(drafter),
             dataclasses.asdict(self.host),
             dataclasses.asdict(self.plain_step),
-        ] + ([dataclasses.asdict(probe_fit)] if probe_fit is not None else [])
+        ] + ([dataclasses.asdict(probe_fit)] if probe_fit is not None else []) + (
+            [{"choice_seconds": choice_seconds}] if choice_seconds is not None else [])  # fmt: skip
 
     def verify(
         self,
@@ -152,6 +156,9 @@ class FittedCostModel(CostModel):
     def context_probe(self, context_len: int) -> float:
         return self.probe_fit.seconds(context_len) if self.probe_fit is not None else super().context_probe(
             context_len)  # fmt: skip
+
+    def choice(self) -> float:
+        return self.choice_seconds if self.choice_seconds is not None else super().choice()
 
     def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
         """T_AR: a target-only engine's step, its forward and its host work."""
@@ -212,7 +219,11 @@ class FittedCostModel(CostModel):
         else:
             probed = a["probe_seconds"] > 0
             probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
-        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe)
+        # a learned controller's choice, timed in place before the live K = 0 rounds (its mean: what it costs a round)
+        chose = a["cal_live_policy_seconds"] > 0
+        choice = float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()) if chose.sum() >= 3 else None
+        return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe,
+                   choice_seconds=choice)  # fmt: skip
 
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):

@@ -15,7 +15,9 @@ run other code paths (a tree-attention forward of one token; drafting outside th
 rounds run as a probing policy runs them: `Session.probe` of the deepest, widest tree first (the drafter's own probe,
 the prompt lookup's, or for a drafter without one the context probe, engine.runtime.context_probe), its seconds a
 sample of the probe's price (the recorder's own timing runs warm, right after its drafting: 10–11 µs against
-15–18 µs in place, session 2026-12-06 f).
+15–18 µs in place, session 2026-12-06 f); then a learned controller's choice, by a stand-in of its shape
+(engine.runtime.frozen.stand_in_policy: the main job's actor, random weights, K = 0 whatever it observes), whose
+RoundStats.policy_seconds are the samples of what a learned policy pays per round (cal_live_policy_seconds).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import numpy as np
 
 from engine.cost.drafter_cost import DRAFT_RULES
 from engine.drafting.acceptance import AcceptanceModel
+from engine.runtime.action_grid import ActionGrid
 from engine.runtime.engine import Engine
+from engine.runtime.frozen import stand_in_policy
 from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
 from engine.spec.sampling import SamplingParams
@@ -69,21 +73,17 @@ class HostCalibrator:
         self.spec = Engine(target, drafter=drafter)  # a policy observes the footprint: instrumented, as deployed
         self.actions = host_actions(kmax, widths)
         self.kmax, self.width = kmax, max(widths)  # the probe's tree, as the recorder's (env.request_recorder)
+        identity = IsotonicCalibration(tuple((0.0, 1.0) for _ in range(kmax)), tuple((0.0, 1.0) for _ in range(kmax)))
+        self.chooser = stand_in_policy(ActionGrid(depths=tuple(range(kmax + 1)), widths=tuple(widths)),
+                                       probe=(kmax, max(widths)), calibration=identity)  # fmt: skip
         self.eos = eos_token_id
         self._warm = False
 
     def _generate(self, engine: Engine, prompt: list[int], tokens: int, params: SamplingParams, spec=None):
         if spec is None or spec.depth > 0 or engine.drafter is None:
             return engine.generate([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)[0]
-        session = engine.start([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)
-        try:  # K = 0 with the probe (the drafter's or the context probe) a probing policy runs before each round
-            while not session.done:
-                for rid in session.active:
-                    session.probe(rid, self.kmax, self.width)
-                session.step()
-            return session.results()[0]
-        finally:
-            session.close()
+        # K = 0 as a probing learned policy runs it: the probe (the drafter's or the context probe), then the choice
+        return engine.generate([prompt], tokens, sampling=params, policy=self.chooser, eos_token_id=self.eos)[0]
 
     @staticmethod
     def empty() -> dict[str, np.ndarray]:
@@ -109,7 +109,8 @@ class HostCalibrator:
                 row = {"verified": r.verified_tokens, "plain": action is None, "context": r.context_len,
                        "draft_steps": steps, "rule": rule, "width": r.width,
                        "draft_seconds": r.time["draft"] if steps > 0 else 0.0, "forward_seconds": r.time["forward"],
-                       "host_seconds": r.host_seconds, "probe_seconds": r.probe_seconds}  # fmt: skip
+                       "host_seconds": r.host_seconds, "probe_seconds": r.probe_seconds,
+                       "policy_seconds": r.policy_seconds}  # fmt: skip
                 for k, v in row.items():
                     out[f"cal_live_{k}"].append(v)
                 position += r.committed

@@ -27,6 +27,9 @@ round that then drafts nothing pays the probe (the cost model's `probe`); with a
 context probe (engine.runtime.context_probe) and every round pays it (the cost model's `context_probe`); kind
 "measured": its measured seconds, in every round. As in expertspec/Replay-v0.
 
+Choice (`choice=True`): every round also pays a learned controller's choice (the cost model's `choice`, whatever the
+kind: the caller chooses, outside the env's timing), in `cost` and `info["cost_choice"]`. As in expertspec/Replay-v0.
+
 Sampling: greedy, or drafter-invariant seeded sampling (`sampling={"temperature": 0.7, "mode":
 "position", "seed": s}`; request i uses seed s + i, as env.record does), so a live episode's text
 matches its trace.
@@ -53,6 +56,7 @@ from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
 from env.actions import ActionCodec, as_grid
+from env.cost_model import CHOICE_HOST_SECONDS
 from env.costs import (
     REPLAY_ONLY_KINDS,
     CostConf,
@@ -135,6 +139,7 @@ class LiveEnv(gym.Env):
         eos: bool = True,
         models: tuple | None = None,
         probe: bool = False,
+        choice: bool = False,
     ) -> None:
         super().__init__()
         grid = as_grid(grid)
@@ -168,6 +173,9 @@ class LiveEnv(gym.Env):
         self.cost_model = None
         if not measured or fit_trace is not None:  # measured: the fit (when given) only shapes the goodput profile
             self.cost_model = make_cost_model(cost_conf, meta, info.drafter_name, fit_trace)
+        # the caller's choice before each round (`choice`): the cost model's price, measured without one: the constant
+        self.choice_seconds = 0.0 if not choice else (
+            self.cost_model.choice() if self.cost_model is not None else CHOICE_HOST_SECONDS)  # fmt: skip
         shape_model = self.cost_model
         self.recorded = shape_model is None or uses_recorded_routing(shape_model, meta)
         L, E, r = (
@@ -250,6 +258,8 @@ class LiveEnv(gym.Env):
                     cost = replace(cost, draft=cost.draft + self.cost_model.context_probe(ctx))
                 elif kd == 0:  # the drafter's own probe: a round that then drafted nothing
                     cost = replace(cost, draft=cost.draft + self.cost_model.probe(ctx, min(K, remaining - 1), W))
+        if self.choice_seconds:  # the caller's choice before the round, priced (module docstring)
+            cost = replace(cost, choice=self.choice_seconds)
         self._costs[rid] = cost
         return cost.total, cost.ar
 
@@ -374,6 +384,7 @@ class LiveEnv(gym.Env):
             "cost_draft": cost.draft,
             "cost_verify": cost.verify,
             "cost_book": cost.book,
+            "cost_choice": cost.choice,
             "cost_ar": cost.ar,
             "distinct_experts": sum(st0.distinct_experts) if len(active) == 1 else self._last_union,
             "utility": committed * cost.ar / cost.total,

@@ -36,11 +36,18 @@ probe's match and pays it once, inside its drafting). With any other drafter the
 on the host (engine.runtime.context_probe), recomputed here from the trace's tokens (`context_probes`); its cost (the
 cost model's `context_probe`) is added to every action, drafted or not, since nothing drafts from it.
 
+Choice (`choice=True`): every round also pays a learned controller's choice before it (the cost model's `choice`:
+the fitted kind's timings in place of a stand-in of its shape, env.host_calibration; otherwise 10 µs of host work),
+in `cost` and `info["cost_choice"]`: what the engine's session spends choosing (RoundStats.policy_seconds) while the
+round waits. The learned policies' envs price it; rules and static actions, which cost next to nothing to choose,
+and the hindsight oracle (a bound) do not.
+
 Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid
 or its fields; widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its
 fields), routing ("auto" | "recorded" | "synthetic"), calibration (confidence -> P(accepted)),
 acceptance (engine.drafting.acceptance.AcceptanceModel of the grid's "calibrated" verification rule),
-requests (indices to draw from), target_digest / drafter_digest (checked against the trace), probe (above).
+requests (indices to draw from), target_digest / drafter_digest (checked against the trace), probe and choice
+(above).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
 Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
@@ -158,6 +165,7 @@ class ReplayEnv(gym.Env):
         drafter_digest: str | None = None,
         cache: bool = True,
         probe: bool = False,
+        choice: bool = False,
     ) -> None:
         super().__init__()
         cost_conf = as_cost_conf(cost)
@@ -199,6 +207,9 @@ class ReplayEnv(gym.Env):
         self._probe_rows: list[list[float]] | None = None
         if probe:
             self._set_probe()
+        self.choice_cost = 0.0  # T_choice each round pays (`choice`)
+        if choice:
+            self._set_choice()
         self._prepare_lookups()
         self.max_new_tokens = int(trace.meta["max_new_tokens"])
         self.request: int | None = None
@@ -239,6 +250,17 @@ class ReplayEnv(gym.Env):
 
         # once per tables in this process (env.shared): their key fixes the trace, the grid and the cost model
         self.tables, self._probe_cost, self._probe_rows = view(f"probe:{K},{W}", self.tables.cost, priced)
+
+    def _set_choice(self) -> None:
+        """`choice=True` (module docstring): every column of the tables' cost plus the choice (a copy)."""
+        c = self.choice_cost = float(self.cost_model.choice())
+
+        def priced(cost: np.ndarray) -> ReplayTables:
+            tab = copy.copy(self.tables)
+            tab.cost = cost + c
+            return tab
+
+        self.tables = view(f"choice:{c!r}", self.tables.cost, priced)
 
     # ------------------------------------------------------------------ fast lookups
     def _prepare_lookups(self) -> None:
@@ -292,7 +314,8 @@ class ReplayEnv(gym.Env):
         d = rp.draft_cost(spec, self.trace.has_predictions)
         if self.probe is not None and (not self._own_probe or rp.drafted_depth(spec) <= 0):  # who pays: _set_probe
             d += self._probe_cost[p]
-        return o, d + o.verify + self.cost_model.book(o.n), d, self._ar[p]  # T_AR: the tables' (plain decoding's)
+        total = d + o.verify + self.cost_model.book(o.n) + self.choice_cost
+        return o, total, d, self._ar[p]  # T_AR: the tables' (plain decoding's)
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -379,7 +402,7 @@ class ReplayEnv(gym.Env):
             L, E, _ = self.routing_shape
             transfer = self.cost_model.transfer(int(self._device_cache.access(pairs_mask(pairs, L, E)).sum()))
             verify = verify + transfer
-            cost = draft + verify + book
+            cost = draft + verify + book + self.choice_cost
         overlap = None  # a one-token round's overlap is not observed (engine.runtime.round_record)
         if self._prev_pairs is not None and n > 1:
             overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)
@@ -430,6 +453,7 @@ class ReplayEnv(gym.Env):
             "cost_draft": draft,
             "cost_verify": verify,
             "cost_book": book,
+            "cost_choice": self.choice_cost,
             "cost_ar": ar,
             "distinct_experts": sum(distinct),
             "utility": com * ar / cost,

@@ -243,3 +243,51 @@ def load_frozen_policy(path: str | os.PathLike) -> FrozenPolicy:
             f"{OBS_SIGNATURE!r} ({OBS_DIM} features); retrain the policy (`python -m ctrl.train`)"
         )
     return FrozenPolicy(torch.jit.load(str(module_path), map_location="cpu"), card)
+
+
+class _StandInActor(torch.nn.Module):
+    """The layout ctrl.freeze writes (normalisation buffers, `policy_net` Linear (Tanh Linear)*, `action_net`)."""
+
+    def __init__(self, policy_net: torch.nn.Sequential, action_net: torch.nn.Linear) -> None:
+        super().__init__()
+        self.policy_net, self.action_net = policy_net, action_net
+        self.register_buffer("mean", torch.zeros(OBS_DIM))
+        self.register_buffer("std", torch.ones(OBS_DIM))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.action_net(self.policy_net((obs - self.mean) / self.std))
+
+
+def stand_in_policy(
+    grid: ActionGrid,
+    hidden: tuple[int, ...] = (64, 64),
+    probe: tuple[int, int] | None = None,
+    calibration: IsotonicCalibration | None = None,
+    seed: int = 0,
+) -> FrozenPolicy:
+    """A frozen policy of a learned one's shape (OBS_DIM -> `hidden` tanh layers -> the grid's logits; the main
+    job's actor is (64, 64)) with random weights whose depth head always picks K = 0: a learned controller's choice,
+    observation values, calibration, actor and action check, at its cost, before any policy is trained (the host
+    calibration times it in place before its live K = 0 rounds, env.host_calibration). `probe`: the (depth, width)
+    it has the engine probe first, as a policy trained on the probe."""
+    if 0 not in grid.depths:
+        raise ValueError(f"stand-in policy: its grid needs depth 0 (depths {grid.depths})")
+    gen = torch.Generator().manual_seed(seed)
+    dims = [OBS_DIM, *hidden]
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        lin = torch.nn.Linear(a, b)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(b, a, generator=gen) / a**0.5)
+            lin.bias.zero_()
+        layers += [lin, torch.nn.Tanh()]
+    out = torch.nn.Linear(dims[-1], sum(grid.nvec))
+    with torch.no_grad():
+        out.weight.copy_(torch.randn(out.out_features, dims[-1], generator=gen) / dims[-1] ** 0.5)
+        out.bias.zero_()
+        out.bias[grid.depths.index(0)] = 1e3  # the depth head: K = 0 whatever the observation
+    card = dict(format=FORMAT, obs_signature=OBS_SIGNATURE, obs_dim=OBS_DIM, action_grid=grid.to_dict(),
+                nvec=grid.nvec, mlp={"activation": "tanh", "clip": 1e9}, name="stand-in",
+                calibration=calibration.to_dict() if calibration is not None else None,
+                probe=list(probe) if probe else None)  # fmt: skip
+    return FrozenPolicy(_StandInActor(torch.nn.Sequential(*layers), out).eval(), card)

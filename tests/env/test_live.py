@@ -284,3 +284,59 @@ def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace)
     assert timed.sum() >= 3 and not (timed & ~(~g["cal_live_plain"] & (g["cal_live_draft_steps"] == 0))).any()
     assert FittedCostModel.from_trace(greedy_trace).probe_fit == fit_probe_cost(
         g["cal_live_context"][timed], g["cal_live_probe_seconds"][timed])  # fmt: skip
+
+
+def test_the_choice_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace):
+    """A learned controller's choice is timed where the engine's session makes it: before each live K = 0 round of
+    the host calibration, after the probe, by a stand-in of its shape (engine.runtime.frozen.stand_in_policy); the
+    fitted cost prices it at their mean, and the roofline at CHOICE_HOST_SECONDS. Both drafters time it (the EAGLE
+    head's policies choose too)."""
+    from env.cost_model import CHOICE_HOST_SECONDS
+    from env.costs import FittedCostModel
+
+    for trace in (ngram_trace, greedy_trace):
+        a = trace.arrays
+        chose = a["cal_live_policy_seconds"] > 0
+        k0 = ~a["cal_live_plain"] & (a["cal_live_draft_steps"] == 0) & (a["cal_live_verified"] == 1)
+        assert chose.sum() >= 3 and not (chose & ~k0).any()  # the K = 0 action's rounds (K > 0 ends with one too)
+        cm = FittedCostModel.from_trace(trace)
+        assert cm.choice() == pytest.approx(float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()))
+        assert 0 < cm.choice() < 1e-3
+    roof = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=COSTS["roofline-qwen3-30b"], cache=False)
+    assert roof.cost_model.choice() == CHOICE_HOST_SECONDS
+
+
+@pytest.mark.parametrize("cost_name", ["roofline-qwen3-30b", "fitted"])
+def test_choice_true_adds_the_choice_to_every_round_in_replay_and_live(ngram_models, ngram_trace, cost_name):
+    """choice=True: every round costs the cost model's `choice` more than without it, on the grid and off it, in
+    replay and live alike (`info["cost_choice"]`), and the rest of the round is unchanged."""
+    trace = ngram_trace
+    cost = COSTS.get(cost_name, {"kind": "fitted"})
+    priced = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False, choice=True, probe=True)
+    plain = ReplayEnv(trace, grid=SMALL_GRID, cost=cost, cache=False, probe=True)
+    c = priced.cost_model.choice()
+    assert c > 0 and priced.choice_cost == c and plain.choice_cost == 0.0
+    actions = [priced.codec.encode((0, 0, 0, 0)), priced.codec.encode((3, 1, 0, 0)), SpecConfig(depth=5, width=2)]
+    for req in range(trace.num_requests):
+        priced.reset(options={"request": req})
+        plain.reset(options={"request": req})
+        for i in itertools.count():
+            a = actions[i % len(actions)]
+            _, r1, t1, u1, i1 = priced.step(a)
+            _, r2, t2, u2, i2 = plain.step(a)
+            assert i1["committed"] == i2["committed"] and i1["cost_choice"] == c and i2["cost_choice"] == 0.0
+            assert i1["cost"] == pytest.approx(i2["cost"] + c, rel=1e-12)
+            assert r1 == pytest.approx(r2 - c / i2["cost_ar"], rel=1e-9, abs=1e-12)
+            if t1 or u1:
+                break
+    live = LiveEnv(models=ngram_models, num_prompts=2, max_new_tokens=TRACE_TOKENS, grid=SMALL_GRID,
+                   cost=cost, workload_name="code", probe=True, choice=True,
+                   fit_trace=trace if cost_name == "fitted" else None)  # fmt: skip
+    try:
+        assert live.choice_seconds == pytest.approx(c)
+        if cost_name == "roofline-qwen3-30b":  # deterministic prices: the same rounds and costs as replay
+            _same_episodes(priced, live, trace, "K4 W2", [SpecConfig(depth=4, width=2)], (1e-6, 1e-7, 1e-6))
+        live.reset(options={"request": 0})
+        assert live.step(SpecConfig(depth=0))[4]["cost_choice"] == pytest.approx(c)
+    finally:
+        live.close()

@@ -18,6 +18,7 @@ SECONDS = {
     "cal_live_forward_seconds",
     "cal_live_host_seconds",
     "cal_live_probe_seconds",
+    "cal_live_policy_seconds",
     "probe_seconds",
 }  # measured: may differ
 

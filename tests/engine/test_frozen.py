@@ -1,0 +1,46 @@
+"""engine.runtime.frozen.stand_in_policy: a learned controller's shape that always decodes plainly (what the host
+calibration times a choice with, env.host_calibration)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine
+from engine.paths import zoo_path
+from engine.runtime.action_grid import ActionGrid
+from engine.runtime.frozen import stand_in_policy
+from engine.runtime.observation import OBS_DIM
+from engine.workloads import code_prompts, encode
+
+GRID = ActionGrid(widths=(1, 2, 3))
+
+
+def test_the_stand_in_always_picks_k0_through_the_cpp_actor():
+    policy = stand_in_policy(GRID, probe=(8, 3))
+    assert policy._native is not None and policy.probe == (8, 3) and policy.nvec == GRID.nvec
+    rng = np.random.default_rng(0)
+    picks = [policy.act_index(rng.uniform(-1, 2, OBS_DIM).tolist()) for _ in range(200)]
+    assert {p[0] for p in picks} == {GRID.depths.index(0)}
+    assert len({p for p in picks}) > 1  # the other heads still compute (random weights): a real actor's work
+    assert all(policy.act_vector(rng.uniform(0, 1, OBS_DIM)).depth == 0 for _ in range(20))
+
+
+def test_the_stand_in_needs_depth_0():
+    with pytest.raises(ValueError, match="depth 0"):
+        stand_in_policy(ActionGrid(depths=(2, 4), widths=(1,)))
+
+
+def test_deployed_it_decodes_plainly_and_times_its_choice():
+    """In the engine's session it probes (its `probe` shape), chooses K = 0 every round, and each round records the
+    choice's seconds (RoundStats.policy_seconds); the tokens are target-only greedy decoding's."""
+    target = engine.load_model(zoo_path("tiny-moe"))
+    prompts = encode(target.tokenizer, code_prompts(2), 40)
+    eng = engine.Engine(target, drafter="ngram")
+    out = eng.generate(prompts, 12, policy=stand_in_policy(GRID, probe=(8, 3)))
+    plain = engine.Engine(target).generate(prompts, 12)
+    for res, ref in zip(out, plain):
+        assert res.token_ids == ref.token_ids
+        assert all(r.depth == 0 and r.verified_tokens == 1 for r in res.rounds)
+        assert all(r.policy_seconds > 0 for r in res.rounds)
+        assert all(r.probe_seconds > 0 for r in res.rounds[:-1])  # the last round can draft nothing: no probe
