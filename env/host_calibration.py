@@ -49,8 +49,13 @@ def neutral_acceptance(kmax: int) -> AcceptanceModel:
     """An acceptance model that passes the draft's own probability through (identity maps, knots per depth): what
     the calibrated rule costs to evaluate, before a model is fitted (that happens on the training prompts, after
     recording)."""
-    identity = IsotonicCalibration(tuple((0.0, 1.0) for _ in range(kmax)), tuple((0.0, 1.0) for _ in range(kmax)))
+    identity = identity_calibration(kmax)
     return AcceptanceModel((identity, identity, identity))
+
+
+def identity_calibration(kmax: int) -> IsotonicCalibration:
+    """The isotonic map that changes nothing, two knots per depth 1..kmax."""
+    return IsotonicCalibration(tuple((0.0, 1.0) for _ in range(kmax)), tuple((0.0, 1.0) for _ in range(kmax)))
 
 
 def host_actions(kmax: int, widths: list[int]) -> list[SpecConfig]:
@@ -73,9 +78,8 @@ class HostCalibrator:
         self.spec = Engine(target, drafter=drafter)  # a policy observes the footprint: instrumented, as deployed
         self.actions = host_actions(kmax, widths)
         self.kmax, self.width = kmax, max(widths)  # the probe's tree, as the recorder's (env.request_recorder)
-        identity = IsotonicCalibration(tuple((0.0, 1.0) for _ in range(kmax)), tuple((0.0, 1.0) for _ in range(kmax)))
         self.chooser = stand_in_policy(ActionGrid(depths=tuple(range(kmax + 1)), widths=tuple(widths)),
-                                       probe=(kmax, max(widths)), calibration=identity)  # fmt: skip
+                                       probe=(kmax, max(widths)), calibration=identity_calibration(kmax))  # fmt: skip
         self.eos = eos_token_id
         self._warm = False
 
