@@ -24,21 +24,8 @@ import torch
 from torch import nn
 
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.frozen import FORMAT
+from engine.runtime.frozen import FORMAT, FrozenActor
 from engine.runtime.observation import OBS_DIM, OBS_SIGNATURE
-
-
-class _Actor(nn.Module):
-    def __init__(self, policy_net: nn.Module, action_net: nn.Module, mean, var, clip: float, eps: float) -> None:
-        super().__init__()
-        self.policy_net, self.action_net = policy_net, action_net
-        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32))
-        self.register_buffer("std", torch.sqrt(torch.as_tensor(var, dtype=torch.float32) + eps))
-        self.clip = clip
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        x = torch.clamp((obs - self.mean) / self.std, -self.clip, self.clip)
-        return self.action_net(self.policy_net(x))
 
 
 def _mlp_card(net: nn.Module, clip: float) -> dict | None:
@@ -102,7 +89,8 @@ def freeze(model: Any, grid: ActionGrid, path: str | os.PathLike, vec_normalize:
         clip, eps = float(vec_normalize.clip_obs), float(vec_normalize.epsilon)
     else:
         mean, var, clip, eps = np.zeros(OBS_DIM), np.ones(OBS_DIM), 1e9, 0.0
-    actor = _Actor(policy_net, action_net, mean, var, clip, eps)
+    std = torch.sqrt(torch.as_tensor(var, dtype=torch.float32) + eps)
+    actor = FrozenActor(policy_net, action_net, mean, std, clip)
     scripted = torch.jit.trace(actor.eval(), torch.zeros(1, OBS_DIM))  # a plain MLP: tracing is exact
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

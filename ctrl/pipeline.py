@@ -211,6 +211,13 @@ def probes(conf: MainConf, traces: dict[str, Any]) -> list[bool]:
     return [True]
 
 
+def train_steps(conf: MainConf, traces: dict[str, Any], learner: str) -> int:
+    """The progress units `train` reports for `learner` (ctrl.agent.progress_steps per seed and probe variant)."""
+    from ctrl.agent import progress_steps
+
+    return progress_steps(conf.algo, learner) * len(conf.seeds) * len(probes(conf, traces))
+
+
 def env_cost(cost: CostSpecConf) -> dict[str, Any]:
     """The environments' `cost` argument (env.costs.CostConf fields) of a cost model of the main job."""
     out = dict(kind=cost.kind, hardware=cost.hardware, model_spec=cost.model_spec, drafter_spec=cost.drafter_spec)

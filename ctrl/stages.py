@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ctrl.config import MainConf
-from ctrl.pipeline import evaluate, probes, train
+from ctrl.pipeline import evaluate, train, train_steps
 from engine.paths import cache_dir
 
 POLICY_CACHE_VERSION = 10  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card,
@@ -59,10 +59,8 @@ def learned_policies(conf: MainConf, traces, cost, position: int = 0) -> dict[st
     for learner in conf.learners:
         paths = sorted(cache.glob(f"{cost.name}/{learner}/seed*"))
         if len(paths) != len(conf.seeds):
-            from ctrl.agent import progress_steps
-
-            steps = progress_steps(conf.algo, learner) * len(conf.seeds) * len(probes(conf, traces))  # probe variants
-            tb = tqdm(total=steps, desc=f"train {learner} ({cost.name})", disable=not conf.progress, position=position)
+            tb = tqdm(total=train_steps(conf, traces, learner), desc=f"train {learner} ({cost.name})",
+                      disable=not conf.progress, position=position)  # fmt: skip
             paths = train(conf, traces, cost, cache, progress=lambda n, tb=tb: tb.update(n), learner=learner)
             tb.close()
         learned[learner] = paths

@@ -16,9 +16,8 @@ import hydra
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from ctrl.agent import progress_steps
 from ctrl.config import MainConf
-from ctrl.pipeline import check_conf, probes, record_traces, train
+from ctrl.pipeline import check_conf, record_traces, train, train_steps
 
 
 @hydra.main(config_path="../conf", config_name="main", version_base=None)
@@ -31,8 +30,7 @@ def main(cfg) -> None:
     traces = record_traces(conf)
     for cost in conf.costs:
         for learner in conf.learners:
-            total = progress_steps(conf.algo, learner) * len(conf.seeds) * len(probes(conf, traces))  # probe variants
-            bar = tqdm(total=total, desc=f"train {learner} ({cost.name})", unit="step")
+            bar = tqdm(total=train_steps(conf, traces, learner), desc=f"train {learner} ({cost.name})", unit="step")
             paths = train(conf, traces, cost, out, progress=lambda n, bar=bar: bar.update(n), learner=learner)
             bar.close()
             print(f"{cost.name} · {learner}: " + ", ".join(str(p) for p in paths))

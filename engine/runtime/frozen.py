@@ -245,17 +245,21 @@ def load_frozen_policy(path: str | os.PathLike) -> FrozenPolicy:
     return FrozenPolicy(torch.jit.load(str(module_path), map_location="cpu"), card)
 
 
-class _StandInActor(torch.nn.Module):
-    """The layout ctrl.freeze writes (normalisation buffers, `policy_net` Linear (Tanh Linear)*, `action_net`)."""
+class FrozenActor(torch.nn.Module):
+    """The actor a frozen policy stores (ctrl.freeze traces it; `_numpy_mlp` reads its layout back): observation
+    [B, OBS_DIM] -> clamp((obs - mean) / std, ±clip) -> `policy_net` -> `action_net` -> logits [B, sum(nvec)]."""
 
-    def __init__(self, policy_net: torch.nn.Sequential, action_net: torch.nn.Linear) -> None:
+    def __init__(self, policy_net: torch.nn.Module, action_net: torch.nn.Module, mean: Any, std: Any,
+                 clip: float) -> None:  # fmt: skip
         super().__init__()
         self.policy_net, self.action_net = policy_net, action_net
-        self.register_buffer("mean", torch.zeros(OBS_DIM))
-        self.register_buffer("std", torch.ones(OBS_DIM))
+        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32))
+        self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32))
+        self.clip = clip
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.action_net(self.policy_net((obs - self.mean) / self.std))
+        x = torch.clamp((obs - self.mean) / self.std, -self.clip, self.clip)
+        return self.action_net(self.policy_net(x))
 
 
 def stand_in_policy(
@@ -290,4 +294,5 @@ def stand_in_policy(
                 nvec=grid.nvec, mlp={"activation": "tanh", "clip": 1e9}, name="stand-in",
                 calibration=calibration.to_dict() if calibration is not None else None,
                 probe=list(probe) if probe else None)  # fmt: skip
-    return FrozenPolicy(_StandInActor(torch.nn.Sequential(*layers), out).eval(), card)
+    actor = FrozenActor(torch.nn.Sequential(*layers), out, torch.zeros(OBS_DIM), torch.ones(OBS_DIM), 1e9)
+    return FrozenPolicy(actor.eval(), card)

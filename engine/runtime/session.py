@@ -103,6 +103,8 @@ class Session:
         drafter = engine.drafter
         self._context = ContextProbe() if drafter is not None and getattr(drafter, "probe", None) is None else None
         self._probe_with_source = getattr(drafter, "probe_with_source", None)  # the lookup's probe in one call
+        self._probe_fn = getattr(drafter, "probe", None)  # a drafter's own probe
+        self._probed_source = getattr(drafter, "probed_source", None)  # ... and where its match comes from
 
     # ------------------------------------------------------------------ membership
     @property
@@ -185,8 +187,7 @@ class Session:
         depth = min(int(depth), r.max_new - len(r.new_tokens) - 1)
         if drafter is None or depth <= 0 or width <= 0:
             return []
-        fn = getattr(drafter, "probe", None)
-        fused = self._probe_with_source
+        fn, fused, source = self._probe_fn, self._probe_with_source, self._probed_source
         t0 = time.perf_counter()
         if fused is not None:  # the lookup's confidences and source in one call
             out = probe_values_of(*fused(r.index, r.tokens, depth, int(width)))
@@ -194,7 +195,6 @@ class Session:
             out = self._context.probe(r.tokens, len(r.prompt), depth, int(width))
         else:
             out = fn(r.index, r.tokens, depth, int(width))
-            source = getattr(drafter, "probed_source", None)
             # the lookup's: where its match comes from, after the confidences (more than KMAX values: probe values)
             out = probe_values(out, source(r.index)) if source is not None else list(out)[:KMAX]
         self._probe_seconds[r.index] = self._probe_seconds.get(r.index, 0.0) + time.perf_counter() - t0
