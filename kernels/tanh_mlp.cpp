@@ -20,8 +20,11 @@
 // starts with cold caches, and measured in place (engine.bench policy, README) a pybind11 call that does nothing
 // costs ~12 us there against ~6 us for a raw one; the observation values in Python ~30 us; the float64 actor with
 // libm's tanh ~15 us, of which its 76 KB of weights and 128 tanh calls most. Plain C++ (no CPU-specific flags: the
-// compiler vectorises the blocked sums with SSE2; no FP contraction: the calibration's interpolation must round as
-// Python's does).
+// compiler vectorises the blocked sums and the tanh with SSE2, and with GCC on x86-64 the layers get an AVX2 clone
+// chosen at load time; no FP contraction: the calibration's interpolation must round as Python's does, and the
+// clone's logits equal SSE2's bit for bit; -fno-trapping-math lets the tanh's clamp vectorise, no FP exception
+// flag is ever read). Session 2026-12-06 j: blocks of up to 64 outputs (the adds' latency hidden), the vectorised
+// tanh and the AVX2 clone took the actor from ~1.45 to ~0.8 us hot (engine.bench policy's `native_choose`).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -39,12 +42,12 @@ namespace {
 
 constexpr const char* kCapsule = "expertspec.tanh_mlp.TanhMLP";
 constexpr int kMaxIn = 256;  // observation values the stack buffers hold (OBS_DIM is 48)
-constexpr int kMaxWidth = 1024;  // widest layer the stack buffers hold
+constexpr int kMaxWidth = 1024;  // widest layer the stack buffers hold (a multiple of 16: the padded layers')
 
 struct Layer {
-  std::vector<float> wt;  // [in, out]: the weight transposed, so a block of outputs sums `in` rows of it
-  std::vector<float> b;  // [out]
-  int64_t out, in;
+  std::vector<float> wt;  // [in, stride]: the weight transposed, its outputs zero-padded to `stride` (a multiple of 16)
+  std::vector<float> b;  // [stride], the padding 0
+  int64_t out, in, stride;
 };
 
 // tanh in float32 within 4e-7 of the exact value (Eigen's generic_fast_tanh_float: a 13/6 odd/even rational
@@ -67,20 +70,54 @@ inline float fast_tanh(float x) {
   return x * p / q;
 }
 
-// dst[j] = b[j] + sum_k wt[k, j] x[k] for j < out, k in order, in blocks of B outputs held in registers.
+// dst[j] = b[j] + sum_k wt[k, j] x[k] for j0 <= j < j0 + B, k in order, the B sums held in registers.
 template <int B>
-int64_t dense_block(const Layer& L, const float* __restrict x, float* __restrict dst, int64_t j0) {
-  for (; j0 + B <= L.out; j0 += B) {
-    float acc[B];
-    for (int j = 0; j < B; ++j) acc[j] = 0.0f;
-    for (int64_t k = 0; k < L.in; ++k) {
-      const float* __restrict w = L.wt.data() + k * L.out + j0;
-      const float xk = x[k];
-      for (int j = 0; j < B; ++j) acc[j] += w[j] * xk;
-    }
-    for (int j = 0; j < B; ++j) dst[j0 + j] = acc[j] + L.b[j0 + j];
+inline void dense_block(const Layer& L, const float* __restrict x, float* __restrict dst, int64_t j0) {
+  float acc[B];
+  for (int j = 0; j < B; ++j) acc[j] = 0.0f;
+  for (int64_t k = 0; k < L.in; ++k) {
+    const float* __restrict w = L.wt.data() + k * L.stride + j0;
+    const float xk = x[k];
+    for (int j = 0; j < B; ++j) acc[j] += w[j] * xk;
   }
-  return j0;
+  for (int j = 0; j < B; ++j) dst[j0 + j] = acc[j] + L.b[j0 + j];
+}
+
+// dst[j] for every j < stride, in blocks of up to 64 outputs: each output's sum is a chain of `in` dependent adds,
+// so the more outputs a block keeps in flight, the less the adds' latency shows (an output layer of 36 logits is one
+// block of 48, not 16 + 16 + 4 latency-bound ones).
+inline void dense(const Layer& L, const float* __restrict x, float* __restrict dst) {
+  int64_t j0 = 0;
+  for (; L.stride - j0 >= 64; j0 += 64) dense_block<64>(L, x, dst, j0);
+  switch (L.stride - j0) {
+    case 48: dense_block<48>(L, x, dst, j0); break;
+    case 32: dense_block<32>(L, x, dst, j0); break;
+    case 16: dense_block<16>(L, x, dst, j0); break;
+    default: break;
+  }
+}
+
+// Where GCC builds function clones for x86-64 (chosen once at load time by the CPU), the actor's layers run with
+// AVX2's 8-wide vectors on a CPU that has them, SSE2's 4-wide ones elsewhere: the same float32 operations in the same
+// order (no FP contraction), so the same logits bit for bit.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define EXPERTSPEC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define EXPERTSPEC_CLONES
+#endif
+
+// The padded logits [layers.back().out] into z of the clipped input x [in] (x and y: buffers of kMaxWidth floats).
+EXPERTSPEC_CLONES void forward(const std::vector<Layer>& layers, float* x, float* y, double* z) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Layer& L = layers[l];
+    dense(L, x, y);
+    if (l + 1 == layers.size()) {
+      for (int64_t i = 0; i < L.out; ++i) z[i] = static_cast<double>(y[i]);
+    } else {
+      for (int64_t i = 0; i < L.out; ++i) y[i] = fast_tanh(y[i]);
+      std::swap(x, y);
+    }
+  }
 }
 
 inline double clip(double x, double lo, double hi) {  // numpy's minimum(maximum(x, lo), hi): NaN stays NaN
@@ -122,12 +159,13 @@ class TanhMLP {
       if (out > kMaxWidth)
         throw std::invalid_argument("TanhMLP: layer " + std::to_string(i) + " is wider than " +
                                     std::to_string(kMaxWidth));
-      std::vector<float> wt(out * in), b(out);
+      const int64_t stride = (out + 15) / 16 * 16;  // at most kMaxWidth, itself a multiple of 16
+      std::vector<float> wt(stride * in, 0.0f), b(stride, 0.0f);
       for (int64_t j = 0; j < out; ++j) {
         b[j] = static_cast<float>(biases[i][j]);  // -inf padding stays -inf
-        for (int64_t k = 0; k < in; ++k) wt[k * out + j] = static_cast<float>(weights[i][j * in + k]);
+        for (int64_t k = 0; k < in; ++k) wt[k * stride + j] = static_cast<float>(weights[i][j * in + k]);
       }
-      layers_.push_back({std::move(wt), std::move(b), out, in});
+      layers_.push_back({std::move(wt), std::move(b), out, in, stride});
       in = out;
     }
     if (dims_ <= 0 || in % dims_ != 0)
@@ -172,41 +210,93 @@ class TanhMLP {
       const double v = clip(static_cast<double>(static_cast<float>(values[k])), 0.0, 1.0);  // float32 vector
       x[k] = static_cast<float>(clip(v, lo_[k], hi_[k]));
     }
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const Layer& L = layers_[l];
-      int64_t j = dense_block<16>(L, x, y, 0);
-      j = dense_block<4>(L, x, y, j);
-      dense_block<1>(L, x, y, j);
-      if (l + 1 == layers_.size()) {
-        for (int64_t i = 0; i < L.out; ++i) z[i] = static_cast<double>(y[i]);
-      } else {
-        for (int64_t i = 0; i < L.out; ++i) y[i] = fast_tanh(y[i]);
-        std::swap(x, y);
-      }
-    }
+    forward(layers_, x, y, z);
   }
 
   int64_t num_logits() const { return dims_ * width_; }
 
-  // (index per action dimension) as a new tuple, or nullptr with a Python error set.
-  PyObject* act_tuple(const double* values) const {
+  // The action table `choose_action` answers from: the real size of each action dimension (`nvec`, each at most
+  // the padded width) and `make(indices) -> action`, called once per action the first time it is chosen (its result
+  // kept here). Row-major over nvec: the flat index of (i_0, ..., i_{D-1}) is sum_d i_d * prod_{e > d} nvec_e.
+  void set_actions(std::vector<int64_t> nvec, py::object make) {
+    if (static_cast<int64_t>(nvec.size()) != dims_)
+      throw std::invalid_argument("TanhMLP: nvec has " + std::to_string(nvec.size()) + " dimensions, the actor " +
+                                  std::to_string(dims_));
+    int64_t total = 1;
+    for (int64_t n : nvec) {
+      if (n <= 0 || n > width_)
+        throw std::invalid_argument("TanhMLP: an action dimension of size " + std::to_string(n) +
+                                    " (the padded width is " + std::to_string(width_) + ")");
+      total *= n;
+    }
+    if (!PyCallable_Check(make.ptr())) throw std::invalid_argument("TanhMLP: set_actions needs a callable `make`");
+    nvec_ = std::move(nvec);
+    make_ = std::move(make);
+    actions_.assign(total, py::object());
+  }
+
+  // The action of (index per dimension) from the table, built by `make` on its first use: a new reference, or
+  // nullptr with a Python error set.
+  PyObject* action(const int64_t* idx) {
+    if (!make_) {
+      PyErr_SetString(PyExc_RuntimeError, "TanhMLP: set_actions() was not called");
+      return nullptr;
+    }
+    int64_t flat = 0;
+    for (int64_t d = 0; d < dims_; ++d) {
+      if (idx[d] >= nvec_[d]) {  // only a NaN logit in the padding can pick it
+        PyErr_Format(PyExc_ValueError, "TanhMLP: action index %lld of dimension %lld is past its %lld actions "
+                     "(NaN logits)", static_cast<long long>(idx[d]), static_cast<long long>(d),
+                     static_cast<long long>(nvec_[d]));
+        return nullptr;
+      }
+      flat = flat * nvec_[d] + idx[d];
+    }
+    py::object& slot = actions_[flat];
+    if (!slot) {
+      PyObject* t = index_tuple(idx);
+      if (t == nullptr) return nullptr;
+      PyObject* made = PyObject_CallOneArg(make_.ptr(), t);
+      Py_DECREF(t);
+      if (made == nullptr) return nullptr;
+      slot = py::reinterpret_steal<py::object>(made);
+    }
+    return py::object(slot).release().ptr();
+  }
+
+  // The argmax of each action dimension's row of the padded logits of `values` into idx [dims].
+  void argmax(const double* values, int64_t* idx) const {
     double z[kMaxWidth];
     logits_into(values, z);
-    PyObject* idx = PyTuple_New(dims_);
-    if (idx == nullptr) return nullptr;
     for (int64_t d = 0; d < dims_; ++d) {
       const double* r = z + d * width_;
       int64_t best = 0;
       for (int64_t i = 1; i < width_; ++i)
         if (r[best] == r[best] && (r[i] > r[best] || r[i] != r[i])) best = i;
-      PyObject* b = PyLong_FromLongLong(best);
+      idx[d] = best;
+    }
+  }
+
+  // (idx[0], ..., idx[dims - 1]) as a new tuple, or nullptr with a Python error set.
+  PyObject* index_tuple(const int64_t* idx) const {
+    PyObject* t = PyTuple_New(dims_);
+    if (t == nullptr) return nullptr;
+    for (int64_t d = 0; d < dims_; ++d) {
+      PyObject* b = PyLong_FromLongLong(idx[d]);
       if (b == nullptr) {
-        Py_DECREF(idx);
+        Py_DECREF(t);
         return nullptr;
       }
-      PyTuple_SET_ITEM(idx, d, b);
+      PyTuple_SET_ITEM(t, d, b);
     }
-    return idx;
+    return t;
+  }
+
+  // (index per action dimension) as a new tuple, or nullptr with a Python error set.
+  PyObject* act_tuple(const double* values) const {
+    int64_t idx[kMaxWidth];
+    argmax(values, idx);
+    return index_tuple(idx);
   }
 
  private:
@@ -214,6 +304,9 @@ class TanhMLP {
   std::vector<Layer> layers_;
   int64_t dims_, width_ = 0, kmax_ = 0;
   std::vector<std::vector<double>> knots_x_, knots_y_;
+  std::vector<int64_t> nvec_;  // set_actions: the real size of each action dimension
+  py::object make_;  // ... its action maker
+  std::vector<py::object> actions_;  // ... and the actions made so far, row-major over nvec_ (empty: not yet)
 };
 
 // ---------------------------------------------------------------- raw CPython helpers (nullptr / false: error set)
@@ -429,9 +522,7 @@ bool observation_values(const TanhMLP& a, PyObject* h, long long position, long 
   return true;
 }
 
-const TanhMLP* from_capsule(PyObject* cap) {
-  return static_cast<const TanhMLP*>(PyCapsule_GetPointer(cap, kCapsule));
-}
+TanhMLP* from_capsule(PyObject* cap) { return static_cast<TanhMLP*>(PyCapsule_GetPointer(cap, kCapsule)); }
 
 bool sequence_values(const TanhMLP& a, PyObject* seq_obj, double* v) {  // a list / tuple / sequence of floats
   Ref seq(PySequence_Fast(seq_obj, "observation values must be a sequence of floats"));
@@ -470,13 +561,13 @@ PyObject* raw_act(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // The actor and the observation values [in] into v of a (actor, history, position, max_new_tokens, batch_size,
 // top_k, num_moe_layers[, probe]) call named `name`; nullptr with a Python error set.
-const TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_t nargs, double* v) {
+TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_t nargs, double* v) {
   if (nargs != 7 && nargs != 8) {
     PyErr_Format(PyExc_TypeError,
                  "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe])", name);
     return nullptr;
   }
-  const TanhMLP* a = from_capsule(args[0]);
+  TanhMLP* a = from_capsule(args[0]);
   long long c[5];
   if (a == nullptr || !history_args(args, c) ||
       !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], nargs == 8 ? args[7] : nullptr, v))
@@ -518,6 +609,17 @@ PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return a == nullptr ? nullptr : a->act_tuple(v);
 }
 
+// choose_action(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> the action
+// of the table (set_actions): what a session's round takes, in one call
+PyObject* raw_choose_action(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  double v[kMaxIn];
+  TanhMLP* a = history_values("choose_action", args, nargs, v);
+  if (a == nullptr) return nullptr;
+  int64_t idx[kMaxWidth];
+  a->argmax(v, idx);
+  return a->action(idx);
+}
+
 // values(actor, history, position, ...[, probe]) -> [observation values] (the check of `choose`'s first half)
 PyObject* raw_values(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   double v[kMaxIn];
@@ -532,6 +634,9 @@ PyMethodDef kRawMethods[] = {
      "logits(actor capsule, values [in]) -> padded logits [D * width]"},
     {"choose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_choose)), METH_FASTCALL,
      "choose(actor capsule, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> indices"},
+    {"choose_action", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_choose_action)),
+     METH_FASTCALL,
+     "choose_action(actor capsule, history, position, ...[, probe]) -> the action of the table (set_actions)"},
     {"values", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(raw_values)), METH_FASTCALL,
      "values(actor capsule, history, position, ...) -> observation values [in] (observation_values' twin)"},
     {nullptr, nullptr, 0, nullptr}};
@@ -570,6 +675,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("lo"), py::arg("hi"), py::arg("weights"), py::arg("biases"), py::arg("dims"))
       .def("set_observation", &TanhMLP::set_observation, py::arg("kmax"), py::arg("knots_x"), py::arg("knots_y"),
            "the observation layout `choose` computes: kmax depths, the calibration's isotonic knots per depth")
+      .def("set_actions", &TanhMLP::set_actions, py::arg("nvec"), py::arg("make"),
+           "the action table `choose_action` answers from: nvec, and make(indices) -> action (called once per action)")
       .def(
           "capsule", [](TanhMLP& self) { return py::reinterpret_steal<py::object>(PyCapsule_New(&self, kCapsule, nullptr)); },
           "a capsule of this actor for the raw entry points (the caller keeps the actor alive)");

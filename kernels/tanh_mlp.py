@@ -8,12 +8,15 @@ decisions) and `engine.runtime.observation.observation_values` (the same values 
     actor.logits(values)    # padded logits [dims * width]
     actor.observe(KMAX, calibration)   # the observation layout, the policy's isotonic calibration (or None)
     actor.choose(history, position, max_new_tokens, batch_size, top_k, num_moe_layers)   # -> indices, one call
+    actor.set_actions(nvec, make)      # the action table: make(indices) -> action, called once per action
+    actor.choose_action(history, ...)  # -> the table's action: what a session's round takes, in one call
     actor.values(history, ...)         # the observation values `choose` computes (its reference check)
 
 Why: between two engine rounds every first call starts with cold caches (README, issue 10 item 3): the numpy actor's
 dozen calls cost ~80 µs there, the observation values in Python ~30 µs, a pybind11 call that does nothing ~12 µs;
 `act` and `choose` are raw CPython calls (~6 µs empty) on a capsule of the actor, bound with functools.partial.
-Built on first use (plain C++, no CPU-specific flags, a few seconds once); off when `EXPERTSPEC_NATIVE_ACTOR=0`,
+Built on first use (plain C++, no CPU-specific flags: an AVX2 clone of the layers where GCC builds one, chosen at
+load time, with the same logits bit for bit; a few seconds once); off when `EXPERTSPEC_NATIVE_ACTOR=0`,
 without a compiler, or on a failed build (`status()` says which), and the numpy and Python twins then run.
 """
 
@@ -27,7 +30,7 @@ import numpy as np
 
 from kernels.cpp_build import CppExtension
 
-_EXT = CppExtension("tanh_mlp", "EXPERTSPEC_NATIVE_ACTOR", cflags=("-O3", "-ffp-contract=off"))
+_EXT = CppExtension("tanh_mlp", "EXPERTSPEC_NATIVE_ACTOR", cflags=("-O3", "-ffp-contract=off", "-fno-trapping-math"))
 load = _EXT.load  # the compiled extension (built on the first call), or None when it is off
 status = _EXT.status  # 'on' or 'off (<why>)'
 
@@ -40,8 +43,15 @@ class Actor:
         cap = mlp.capsule()
         self.act = partial(module.act, cap)
         self.choose = partial(module.choose, cap)
+        self.choose_action = partial(module.choose_action, cap)
         self.values = partial(module.values, cap)
         self.logits = partial(module.logits, cap)
+
+    def set_actions(self, nvec: Sequence[int], make: Any) -> None:
+        """The table `choose_action` answers from: the real size of each action dimension, and `make(indices) ->
+        action`, called the first time each action is chosen (its result kept). `make` must not hold this actor (the
+        C++ object is not garbage-collected: a cycle through it would never be freed)."""
+        self._mlp.set_actions([int(n) for n in nvec], make)
 
     def observe(self, kmax: int, calibration: Any = None) -> None:
         """Set the observation layout `choose` computes: `kmax` draft depths, and the calibrated block from

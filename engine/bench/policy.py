@@ -100,7 +100,10 @@ def parts(eng, policy, prompt: list[int], new_tokens: int, number: int = 2000) -
     else:
         obs = sess.observation(rid)
         out = {"observation": best(lambda: sess.observation(rid)), "policy_call": best(lambda: policy(obs))}
-    out["choice"] = best(lambda: sess.check_action(sess._choose(req)))  # what a round pays
+    if sess._chooser is not None:  # what a round pays: the bound C++ chooser's path, else the policy's call
+        out["choice"] = best(lambda: sess._chosen([req]))
+    else:
+        out["choice"] = best(lambda: sess.check_action(sess._choose(req)))
     sess.close()
     return out
 

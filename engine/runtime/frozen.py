@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ class FrozenPolicy:
         ends = np.cumsum(self.nvec)
         self._slices = [(int(e - n), int(e)) for n, e in zip(self.nvec, ends)]
         self._specs: dict[tuple[int, ...], SpecConfig] = {}
+        self._table = False  # the C++ actor's action table is filled (chooser)
         self._mlp = m = _numpy_mlp(module, card.get("mlp"), self.nvec)
         # the C++ twin of the numpy actor (kernels.tanh_mlp): one call between two rounds instead of a dozen
         self._native = tanh_mlp.actor(m.lo, m.hi, [*m.hidden, (m.w_out, m.b_out)], m.dims) if m else None
@@ -136,36 +138,22 @@ class FrozenPolicy:
         return self.act_vector(v)
 
     def chooser(self, calibration: Calibration | None = None) -> Callable[..., SpecConfig] | None:
-        """`act_history` bound once for a session, positional: (h, position, max_new_tokens, batch_size, top_k,
-        num_moe_layers, probe) -> SpecConfig, the same decisions (it is act_history's C++ path, whose fallback it
-        keeps), without its keyword and dispatch work each round; None where act_history would take its Python path
-        (no C++ actor; the engine's `calibration` and none of the policy's own). The same indices give the same
-        SpecConfig object (the policy's cache), which lets the session validate each action once."""
+        """`act_history`'s C++ path bound once for a session, positional: (h, position, max_new_tokens, batch_size,
+        top_k, num_moe_layers, probe) -> SpecConfig, the same decisions and the same SpecConfig object (the policy's
+        cache, which lets the session validate each action once) in one native call, without act_history's keyword,
+        dispatch and action lookup work each round. It raises TypeError, ValueError or OverflowError on a History the
+        C++ reader does not take: the caller then asks `act_history` (its Python twin). None where act_history would
+        take its Python path (no C++ actor; the engine's `calibration` and none of the policy's own)."""
         if self._native is None or (self.calibration is None and calibration is not None):
             return None
-        choose, specs, to_spec, slow = self._native.choose, self._specs, self._spec, self.act_history
-
-        def choose_spec(h: History, position: int, max_new_tokens: int, batch_size: int, top_k: int,
-                        num_moe_layers: int, probe: list[float] | tuple[float, ...] = ()) -> SpecConfig:  # fmt: skip
-            try:
-                idx = choose(h, position, max_new_tokens, batch_size, top_k, num_moe_layers, probe)
-            except (TypeError, ValueError, OverflowError):  # a History the C++ reader does not take
-                return slow(h, position=position, max_new_tokens=max_new_tokens, batch_size=batch_size, top_k=top_k,
-                            num_moe_layers=num_moe_layers, calibration=calibration, probe=probe)  # fmt: skip
-            spec = specs.get(idx)
-            return spec if spec is not None else to_spec(idx)
-
-        return choose_spec
+        if not self._table:  # the C++ action table, filled from the policy's SpecConfig cache (no cycle through it)
+            self._native.set_actions(self.nvec, partial(_make_spec, self.grid, self.acceptance, self._specs))
+            self._table = True
+        return self._native.choose_action
 
     def _spec(self, idx: tuple[int, ...]) -> SpecConfig:
         """The SpecConfig of action indices (cached; the calibrated rule carries the policy's acceptance model)."""
-        spec = self._specs.get(idx)
-        if spec is None:
-            spec = self.grid.spec(idx)
-            if spec.verify_rule == "calibrated":  # the model the policy was trained with rides on the action
-                spec = replace(spec, acceptance=self.acceptance)
-            self._specs[idx] = spec
-        return spec
+        return _make_spec(self.grid, self.acceptance, self._specs, idx)
 
     def reset(self) -> None:
         """Stateless: nothing to forget between requests."""
@@ -181,6 +169,20 @@ class FrozenPolicy:
         return self.act_vector(v)
 
     __call__ = act
+
+
+def _make_spec(grid: ActionGrid, acceptance: AcceptanceModel | None, cache: dict[tuple[int, ...], SpecConfig],
+               idx: tuple[int, ...]) -> SpecConfig:  # fmt: skip
+    """The SpecConfig of action indices on `grid`, made once and kept in `cache` (the calibrated rule carries
+    `acceptance`, the model the policy was trained with)."""
+    spec = cache.get(idx)
+    if spec is not None:
+        return spec
+    spec = grid.spec(idx)
+    if spec.verify_rule == "calibrated":
+        spec = replace(spec, acceptance=acceptance)
+    cache[idx] = spec
+    return spec
 
 
 @dataclass(frozen=True)

@@ -208,8 +208,6 @@ class Session:
         top_k, layers = eng._obs_model
         shape = self._probe_shape
         probe = self.probe(r.index, *shape) if shape else []
-        if self._chooser is not None:  # the frozen policy's C++ choice, bound once (FrozenPolicy.chooser)
-            return self._chooser(r.history, len(r.new_tokens), r.max_new, len(self._active), top_k, layers, probe)
         act_history = getattr(self.policy, "act_history", None)
         if act_history is not None:  # the frozen policy: values and decision in one native call where it can
             return act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
@@ -224,6 +222,34 @@ class Session:
                                top_k=top_k, num_moe_layers=layers, probe=probe)  # fmt: skip
         return act_vector(v)
 
+    def _chosen(self, active: list[Any]) -> list[SpecConfig]:
+        """The frozen policy's validated actions for `active` through its bound C++ chooser (FrozenPolicy.chooser):
+        `_choose`'s chooser path with the per-request work the loop can hoist hoisted (the request's round is timed
+        into `policy_seconds` as there, the probe apart), each action object validated once. A History the C++ reader
+        does not take goes to `act_history`, its Python twin."""
+        choose, checked, seconds, probed = self._chooser, self._checked, self._policy_seconds, self._probe_seconds
+        top_k, layers = self.engine._obs_model
+        shape, probe, n, clock = self._probe_shape, [], len(self._active), time.perf_counter
+        specs = []
+        for r in active:
+            t0 = clock()
+            if shape:
+                probe = self.probe(r.index, *shape)
+            try:
+                action = choose(r.history, len(r.new_tokens), r.max_new, n, top_k, layers, probe)
+            except (TypeError, ValueError, OverflowError):  # its Python twin
+                action = self.policy.act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
+                                                 batch_size=n, top_k=top_k, num_moe_layers=layers,
+                                                 calibration=self.engine.calibration, probe=probe)  # fmt: skip
+            spec = checked.get(id(action))
+            if spec is not action:  # validated once per action object (the policy's cached ones)
+                spec = self.check_action(action)
+                if spec is action:  # a bounded set: one per grid action at most
+                    checked[id(action)] = action  # kept alive here, so its id is never reused meanwhile
+            specs.append(spec)
+            seconds[r.index] = clock() - t0 - probed.get(r.index, 0.0)
+        return specs
+
     def check_action(self, action: Any) -> SpecConfig:
         """`action` as the SpecConfig a step would run, or a ValueError saying why this engine cannot run it."""
         spec = coerce_action(action)
@@ -236,17 +262,12 @@ class Session:
         if actions is None:
             if self.policy is None or self.engine.drafter is None:
                 return active, [self.spec or NO_SPEC] * len(active)
+            if self._chooser is not None:
+                return active, self._chosen(active)
             specs = []
-            checked = self._checked
             for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds (the probe apart)
                 t0 = time.perf_counter()
-                action = self._choose(r)
-                spec = checked.get(id(action))
-                if spec is not action:  # validated once per action object of a frozen policy (its cached ones)
-                    spec = self.check_action(action)
-                    if spec is action and self._chooser is not None:  # a bounded set: one per grid action at most
-                        checked[id(action)] = action  # kept alive here, so its id is never reused meanwhile
-                specs.append(spec)
+                specs.append(self.check_action(self._choose(r)))
                 self._policy_seconds[r.index] = time.perf_counter() - t0 - self._probe_seconds.get(r.index, 0.0)
             return active, specs
         if isinstance(actions, Mapping):

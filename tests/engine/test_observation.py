@@ -97,6 +97,8 @@ def test_the_native_choice_reads_the_same_values(calibration):
     w = [(rng.normal(0, 0.5, (16, OBS_DIM)), rng.normal(0, 0.1, 16)), (rng.normal(0, 0.5, (18, 16)), np.zeros(18))]
     actor = tanh_mlp.actor(np.full(OBS_DIM, -1.0), np.full(OBS_DIM, 2.0), w, 2)
     actor.observe(KMAX, calibration)
+    made: list[tuple[int, ...]] = []
+    actor.set_actions([9, 9], lambda idx: made.append(idx) or ("action", idx))  # choose_action's table
     for trial in range(80):
         h = History()
         for i in range(int(rng.integers(0, 6))):
@@ -109,6 +111,9 @@ def test_the_native_choice_reads_the_same_values(calibration):
         got = actor.values(h, *ctx, probe) if probe or rng.random() < 0.5 else actor.values(h, *ctx)  # 7 args: none
         assert [float(x).hex() for x in got] == [float(x).hex() for x in ref], trial
         assert actor.choose(h, *ctx, probe) == actor.act(ref)
+        action = actor.choose_action(h, *ctx, probe)
+        assert action == ("action", actor.act(ref)) and actor.choose_action(h, *ctx, probe) is action  # kept
+    assert len(made) == len(set(made)) > 1  # each action made once, on its first choice
     with pytest.raises(TypeError, match="not a sequence"):
         actor.values(History(), 0, 1, 1, 0, 0, 0.5)
     assert actor.values(History(), 0, 1, 1, 0, 0, None)[-KMAX:] == [0.0] * KMAX
@@ -125,3 +130,12 @@ def test_the_native_choice_refuses_a_foreign_layout():
     actor = tanh_mlp.actor(np.zeros(OBS_DIM), np.ones(OBS_DIM), [(np.ones((2, OBS_DIM)), np.zeros(2))], 1)
     with pytest.raises(ValueError, match="set_observation"):
         actor.choose(History(), 0, 1, 1, 0, 0)
+    actor.observe(KMAX)
+    with pytest.raises(RuntimeError, match="set_actions"):
+        actor.choose_action(History(), 0, 1, 1, 0, 0)
+    with pytest.raises(ValueError, match="3 dimensions, the actor 1"):
+        actor.set_actions([1, 1, 1], tuple)
+    with pytest.raises(ValueError, match="of size 3 .the padded width is 2"):
+        actor.set_actions([3], tuple)
+    actor.set_actions([2], tuple)
+    assert actor.choose_action(History(), 0, 1, 1, 0, 0) == (0,)

@@ -44,9 +44,11 @@ def same_decisions(got: tuple[int, ...], ref: np.ndarray, dims: int, tol: float 
     return all(rows[d, g] >= rows[d].max() - tol for d, g in enumerate(got))
 
 
-def test_equals_its_numpy_twin():
+@pytest.mark.parametrize("hidden, nvec", [((64, 64), (9, 3, 6)), ((7, 100, 33), (4, 2)), ((130,), (9, 3, 1, 6))])
+def test_equals_its_numpy_twin(hidden, nvec):
+    """Layers of every padded width (outputs padded to a multiple of 16, in blocks of up to 64): 64, 7, 100, 130."""
     rng = np.random.default_rng(0)
-    lo, hi, layers, dims = _random_actor(rng)
+    lo, hi, layers, dims = _random_actor(rng, hidden=hidden, nvec=nvec)
     actor = tanh_mlp.actor(lo, hi, layers, dims)
     exact = 0
     for i in range(2000):  # in [0, 1], outside it (the [0, 1] clip), and float64 values (the float32 rounding)
@@ -82,6 +84,20 @@ def test_argmax_ties_and_nan_like_numpy():
     for bias in ([1.0, 1.0, 0.0, 0.0, 2.0, -np.inf], [0.0, np.nan, 3.0, np.nan, 1.0, -np.inf]):
         actor = tanh_mlp.actor(np.zeros(2), np.ones(2), [(w, np.array(bias))], 2)
         assert actor.act([0.5, 0.5]) == tuple(np.array(bias).reshape(2, -1).argmax(1).tolist())
+
+
+def test_the_action_table_refuses_a_nan_pick_past_a_dimension():
+    """A NaN logit in a dimension's padding wins its argmax (numpy's rule) but names no action: a clear error, and
+    the action maker is never asked for it."""
+    from engine.runtime.observation import KMAX, OBS_DIM, History
+
+    bias = np.full(2 * 4, -np.inf)
+    bias[:3], bias[3], bias[4:6] = 0.0, np.nan, 1.0  # dimension 0: 3 actions, NaN in its padding; dimension 1: 2
+    actor = tanh_mlp.actor(np.zeros(OBS_DIM), np.ones(OBS_DIM), [(np.zeros((8, OBS_DIM)), bias)], 2)
+    actor.observe(KMAX)
+    actor.set_actions([3, 2], lambda idx: pytest.fail(f"made {idx}"))
+    with pytest.raises(ValueError, match="index 3 of dimension 0 is past its 3 actions"):
+        actor.choose_action(History(), 0, 1, 1, 0, 0)
 
 
 def test_bad_shapes_are_refused_with_a_message():
