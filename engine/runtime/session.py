@@ -182,10 +182,12 @@ class Session:
         engine.runtime.context_probe); [] without a drafter or when nothing can be drafted. Timed into the round's
         `RoundStats.probe_seconds`; a drafter's own probe keeps what it found for this round's draft
         (NGramDrafter.probe)."""
-        r = self.requests[request_id]
-        drafter = self.engine.drafter
+        return self._probe(self.requests[request_id], depth, width)
+
+    def _probe(self, r: Any, depth: int, width: int) -> list[float]:
+        """`probe` of the request itself (the choice's hot path: no lookup by id)."""
         depth = min(int(depth), r.max_new - len(r.new_tokens) - 1)
-        if drafter is None or depth <= 0 or width <= 0:
+        if depth <= 0 or width <= 0 or self.engine.drafter is None:
             return []
         fn, fused, source = self._probe_fn, self._probe_with_source, self._probed_source
         t0 = time.perf_counter()
@@ -229,12 +231,13 @@ class Session:
         does not take goes to `act_history`, its Python twin."""
         choose, checked, seconds, probed = self._chooser, self._checked, self._policy_seconds, self._probe_seconds
         top_k, layers = self.engine._obs_model
-        shape, probe, n, clock = self._probe_shape, [], len(self._active), time.perf_counter
+        shape, probe, n, clock, probe_of = self._probe_shape, [], len(self._active), time.perf_counter, self._probe
+        depth, width = shape or (0, 0)
         specs = []
         for r in active:
             t0 = clock()
             if shape:
-                probe = self.probe(r.index, *shape)
+                probe = probe_of(r, depth, width)
             try:
                 action = choose(r.history, len(r.new_tokens), r.max_new, n, top_k, layers, probe)
             except (TypeError, ValueError, OverflowError):  # its Python twin
