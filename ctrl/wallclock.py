@@ -5,8 +5,9 @@
     python -m ctrl.wallclock wallclock.cost=roofline-h200-qwen3_30b_a3b wallclock.repeats=5
 
 The replay tables price rounds with a cost model; "this machine's measured cost" is fitted to timed forwards,
-drafting rounds and the engine's host work per round (env.costs, "fitted"), but not the controller's choice. This
-entry point checks it against the clock: it deploys, in the real engine, static-best-test (the grid action of
+drafting rounds and the engine's host work per round (env.costs, "fitted"), and a learned policy's rounds carry its
+choice too (timed in place by the recording's stand-in, `algo.price_choice`). This entry point checks it against the
+clock: it deploys, in the real engine, static-best-test (the grid action of
 least modelled cost on the held-out prompts under `wallclock.cost`, as the evaluation picks it) and every cached
 learned seed trained under that cost (trained now if absent, as `python -m ctrl` does), each interleaved with
 target-only decoding (an engine without routing instrumentation, the fastest plain one) on the same held-out
