@@ -1,5 +1,6 @@
 """engine.runtime.frozen.stand_in_policy: a learned controller's shape that always decodes plainly (what the host
-calibration times a choice with, env.host_calibration)."""
+calibration times a choice with, env.host_calibration); and a frozen policy's two ways through the session, its bound
+C++ chooser and the fallback to `act_history`, choosing alike."""
 
 from __future__ import annotations
 
@@ -44,3 +45,37 @@ def test_deployed_it_decodes_plainly_and_times_its_choice():
         assert all(r.depth == 0 and r.verified_tokens == 1 for r in res.rounds)
         assert all(r.policy_seconds > 0 for r in res.rounds)
         assert all(r.probe_seconds > 0 for r in res.rounds[:-1])  # the last round can draft nothing: no probe
+
+
+def test_the_sessions_fallback_chooses_as_its_cpp_chooser(monkeypatch):
+    """A History the bound C++ chooser does not take goes to the policy's `act_history` (here made to take its Python
+    twin too): the same action every round as the chooser's, and the same tokens as target-only greedy decoding.
+    Every head of this actor is random, so K, W and the rule all vary."""
+    import torch
+
+    from engine.runtime.frozen import FrozenPolicy
+
+    base = stand_in_policy(GRID, probe=(8, 3), seed=3)
+    with torch.no_grad():
+        base.module.action_net.bias.zero_()  # the depth head no longer pinned to K = 0
+    target = engine.load_model(zoo_path("tiny-moe"))
+    prompts = encode(target.tokenizer, code_prompts(2), 40)
+    eng = engine.Engine(target, drafter="ngram")
+
+    def actions(policy: FrozenPolicy) -> list[list[tuple]]:
+        out = eng.generate(prompts, 24, policy=policy)
+        assert [r.token_ids for r in out] == [r.token_ids for r in engine.Engine(target).generate(prompts, 24)]
+        return [[(s.depth, s.width, s.verify_rule, s.verified_tokens) for s in r.rounds] for r in out]
+
+    fast = FrozenPolicy(base.module, base.card)
+    assert fast.chooser(None) is not None
+    want = actions(fast)
+    assert len({a[0] for req in want for a in req}) > 1  # real decisions, not one action
+
+    def refuse(*args):
+        raise TypeError("a History the C++ reader does not take")
+
+    slow = FrozenPolicy(base.module, base.card)
+    monkeypatch.setattr(slow, "chooser", lambda calibration=None: refuse)
+    monkeypatch.setattr(slow._native, "choose", refuse)  # act_history's own C++ path refused too: the Python twin
+    assert actions(slow) == want
