@@ -97,10 +97,10 @@ inline void dense(const Layer& L, const float* __restrict x, float* __restrict d
   }
 }
 
-// Where GCC builds function clones for x86-64 (chosen once at load time by the CPU), the actor's layers run with
-// AVX2's 8-wide vectors on a CPU that has them, SSE2's 4-wide ones elsewhere: the same float32 operations in the same
-// order (no FP contraction), so the same logits bit for bit.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// Where GCC builds function clones for x86-64 (chosen once at load time by the CPU, through glibc's ifunc), the
+// actor's layers run with AVX2's 8-wide vectors on a CPU that has them, SSE2's 4-wide ones elsewhere: the same float32
+// operations in the same order (no FP contraction), so the same logits bit for bit.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
 #define EXPERTSPEC_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define EXPERTSPEC_CLONES
