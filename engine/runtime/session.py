@@ -206,10 +206,13 @@ class Session:
         """The policy's action for request `r`'s next round; a policy with `act_history` gets the request's History,
         one with `act_vector` the observation vector's values straight from it (its calibrated block from the
         policy's own map, if it has one)."""
+        shape = self._probe_shape
+        return self._decide(r, self._probe(r, *shape) if shape else [])
+
+    def _decide(self, r: Any, probe: list[float]) -> Any:
+        """`_choose` after the probe (`probe`: this round's probe values)."""
         eng = self.engine
         top_k, layers = eng._obs_model
-        shape = self._probe_shape
-        probe = self.probe(r.index, *shape) if shape else []
         act_history = getattr(self.policy, "act_history", None)
         if act_history is not None:  # the frozen policy: values and decision in one native call where it can
             return act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
@@ -240,10 +243,8 @@ class Session:
                 probe = probe_of(r, depth, width)
             try:
                 action = choose(r.history, len(r.new_tokens), r.max_new, n, top_k, layers, probe)
-            except (TypeError, ValueError, OverflowError):  # its Python twin
-                action = self.policy.act_history(r.history, position=len(r.new_tokens), max_new_tokens=r.max_new,
-                                                 batch_size=n, top_k=top_k, num_moe_layers=layers,
-                                                 calibration=self.engine.calibration, probe=probe)  # fmt: skip
+            except (TypeError, ValueError, OverflowError):  # act_history, its Python twin
+                action = self._decide(r, probe)
             spec = checked.get(id(action))
             if spec is not action:  # validated once per action object (the policy's cached ones)
                 spec = self.check_action(action)
