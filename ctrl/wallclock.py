@@ -19,6 +19,12 @@ the evaluation reports). The static action runs twice: on the instrumented engin
 policy's observation reads the routing footprint), and as `static-best-test-bare` on one without instrumentation,
 as a static deployment would run it (its replay figure is static-best-test's: the measured cost prices the
 instrumented engine). Prints the table and writes `wallclock.json` into the run directory.
+
+Steady state (`wallclock.steady_from`, default 16 tokens): the same speed-ups over the tokens from that position on
+only. A round's time, on the clock or in replay, counts pro rata to its committed tokens at or past it
+(`steady_share`). On a CPU the first rounds after a prefill run up to three times slower, for every policy, and
+replay prices a round by its position and action only, so that warm-up is part of the all-tokens gap between clock
+and replay but not of the steady-state one.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ctrl.config import MainConf
-from ctrl.metrics import summarize
 from ctrl.pipeline import calibrate, check_conf, fit_acceptance_model, grid_of, record_traces, replay_env, split
 from ctrl.rollout import frozen_runner, run_requests, static_runner
 
@@ -53,22 +58,51 @@ def _static_best_test(env: Any, requests: list[int], acceptance: Any) -> tuple[t
 BARE = "static-best-test-bare"  # the same static action on an engine without routing instrumentation
 
 
-def decode(engine: Any, prompt: list[int], max_new_tokens: int, **kw: Any) -> tuple[float, list[int]]:
-    """(seconds from the first round to the last, new tokens) of one request at batch 1; `kw`: spec / policy."""
+def steady_share(position: int, committed: int, steady_from: int) -> float:
+    """The share of a round that commits `committed` tokens from `position` on that lies at or past `steady_from`."""
+    if committed <= 0:
+        return 0.0
+    return min(max(position + committed - max(position, steady_from), 0), committed) / committed
+
+
+def decode(engine: Any, prompt: list[int], max_new_tokens: int, steady_from: int = 0,
+           **kw: Any) -> tuple[float, list[int], float]:  # fmt: skip
+    """(seconds from the first round to the last, new tokens, the seconds of the tokens from `steady_from` on:
+    `steady_share` of each round) of one request at batch 1; `kw`: spec / policy."""
     session = engine.start([prompt], max_new_tokens, **kw)  # admits the request: its prefill is not timed
     try:
-        t0 = time.perf_counter()
+        clock, position, steady = time.perf_counter, 0, 0.0
+        t0 = t = clock()
         while not session.done:
-            session.step()
-        seconds = time.perf_counter() - t0
-        return seconds, session.results()[0].token_ids
+            stats = session.step()[0]
+            now = clock()
+            steady += (now - t) * steady_share(position, stats.committed, steady_from)
+            position, t = position + stats.committed, now
+        return t - t0, session.results()[0].token_ids, steady
     finally:
         session.close()
 
 
-def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int, progress=None) -> dict[str, Any]:
-    """{workload: {"speedup" / "replay_speedup": {"static-best-test", BARE, "<learner>-seed<k>": ×}, ...}}: wall-clock
-    speed-ups and the replay's (module docstring)."""
+def replay_speedups(requests: list[list[Any]], steady_from: int) -> tuple[float, float]:
+    """(speed-up over plain decoding, the same over the tokens from `steady_from` on) of replayed requests' rounds:
+    Σ committed / Σ T_spec/T_AR (ctrl.metrics), each round weighted by `steady_share` for the second."""
+    committed = units = steady_committed = steady_units = 0.0
+    for rounds in requests:
+        position = 0
+        for r in rounds:
+            f, u = steady_share(position, int(r.committed), steady_from), float(r.cost) / float(r.cost_ar)
+            committed, units = committed + r.committed, units + u
+            steady_committed, steady_units = steady_committed + f * r.committed, steady_units + f * u
+            position += int(r.committed)
+    return (committed / units if units > 0 else 0.0,
+            steady_committed / steady_units if steady_units > 0 else 0.0)  # fmt: skip
+
+
+def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int, progress=None,
+            steady_from: int = 16) -> dict[str, Any]:  # fmt: skip
+    """{workload: {"speedup" / "replay_speedup" / "steady_speedup" / "replay_steady_speedup": {"static-best-test",
+    BARE, "<learner>-seed<k>": ×}, ...}}: wall-clock speed-ups and the replay's, over all tokens and from
+    `steady_from` on (module docstring)."""
     import engine
     from ctrl.stages import learned_policies
     from engine.runtime.frozen import load_frozen_policy
@@ -101,14 +135,16 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
         for eng, kw in runs.values():
             eng.generate(prompts[:1], 4, **kw)
         best_base = [float("inf")] * len(prompts)
+        steady_base = [float("inf")] * len(prompts)
         best = {k: [float("inf")] * len(prompts) for k in runs}
+        steady = {k: [float("inf")] * len(prompts) for k in runs}
         for _ in range(repeats):
             for i, p in enumerate(prompts):
-                seconds, ref = decode(base, p, n_new)
-                best_base[i] = min(best_base[i], seconds)
+                seconds, ref, warm = decode(base, p, n_new, steady_from)
+                best_base[i], steady_base[i] = min(best_base[i], seconds), min(steady_base[i], warm)
                 for k, (eng, kw) in runs.items():
-                    seconds, got = decode(eng, p, n_new, **kw)
-                    best[k][i] = min(best[k][i], seconds)
+                    seconds, got, warm = decode(eng, p, n_new, steady_from, **kw)
+                    best[k][i], steady[k][i] = min(best[k][i], seconds), min(steady[k][i], warm)
                     if got != ref:
                         raise AssertionError(f"{name} request {test_ids[i]}: {k} committed other tokens than "
                                              "target-only decoding")  # fmt: skip
@@ -121,8 +157,9 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
             if k != BARE:  # a learned policy with a probe replays where it pays the probe, as it runs
                 e = penv if "policy" in kw and kw["policy"].probe else env
                 actors[k] = (e, static_runner(e, idx) if "policy" not in kw else frozen_runner(kw["policy"], e))
-        replay = {k: summarize(run_requests(e, test_ids, a, "index")).speedup_vs_ar for k, (e, a) in actors.items()}
-        replay[BARE] = replay["static-best-test"]  # the same action, priced on the instrumented engine
+        both = {k: replay_speedups(run_requests(e, test_ids, a, "index"), steady_from) for k, (e, a) in actors.items()}
+        both[BARE] = both["static-best-test"]  # the same action, priced on the instrumented engine
+        replay = {k: v[0] for k, v in both.items()}
         out[name] = {
             "replay_speedup": replay,
             "target_only_seconds": sum(best_base),
@@ -130,48 +167,60 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
                 depth=spec.depth, width=spec.width, lam=spec.lam, rule=spec.verify_rule, threshold=spec.verify_threshold
             ),  # fmt: skip
             "speedup": {k: sum(best_base) / sum(v) for k, v in best.items()},
+            "replay_steady_speedup": {k: v[1] for k, v in both.items()},
+            "steady_speedup": {k: sum(steady_base) / sum(v) for k, v in steady.items()},
         }
     return out
 
 
-def check_wallclock(conf: MainConf, cost_name: str, repeats: int) -> None:
-    """Clear errors before any work: the cost model is one of `costs`, repeats >= 1, a drafter is configured."""
+def check_wallclock(conf: MainConf, cost_name: str, repeats: int, steady_from: int = 16) -> None:
+    """Clear errors before any work: the cost model is one of `costs`, repeats >= 1, steady_from inside the
+    requests, a drafter is configured."""
     check_conf(conf)
     names = [c.name for c in conf.costs]
     if cost_name not in names:
         raise ValueError(f"wallclock.cost={cost_name!r} is not one of costs {names}")
     if repeats < 1:
         raise ValueError(f"wallclock.repeats must be >= 1, got {repeats}")
+    if not 0 <= steady_from < conf.workloads.max_new_tokens:
+        raise ValueError(f"wallclock.steady_from must be in [0, workloads.max_new_tokens="
+                         f"{conf.workloads.max_new_tokens}), got {steady_from}")  # fmt: skip
     if not conf.models.drafter:
         raise ValueError("wallclock needs a drafter (models.drafter): every policy here speculates")
 
 
-def print_table(res: dict[str, Any], cost_name: str) -> None:
-    """The speed-ups, one row per policy, one column per workload: on the clock (replay's modelled one)."""
+def print_table(res: dict[str, Any], cost_name: str, steady_from: int | None = None) -> None:
+    """The speed-ups, one row per policy, one column per workload: on the clock (replay's modelled one); with
+    `steady_from`, a second table over the tokens from that position on."""
     names = sorted(res)
     policies = list(next(iter(res.values()))["speedup"]) if res else []
-    print(f"== speed-up over target-only decoding on the held-out prompts: wall clock, live engine, batch 1 (replay "
-          f"under {cost_name}, which chose / trained the policies) ==")  # fmt: skip
-    print(f"{'policy':<24}" + "".join(f"{n:>20}" for n in names))
-    for p in policies:
-        cells = "".join(f"{res[n]['speedup'][p]:>8.3f}x ({res[n]['replay_speedup'][p]:.3f}x)" for n in names)
-        print(f"{p:<24}{cells}")
+    tables = [("speedup", "replay_speedup", "")]
+    if steady_from is not None:
+        tables.append(("steady_speedup", "replay_steady_speedup", f", tokens from position {steady_from} on"))
+    for clock, replay, what in tables:
+        print(f"== speed-up over target-only decoding on the held-out prompts{what}: wall clock, live engine, batch 1 "
+              f"(replay under {cost_name}, which chose / trained the policies) ==")  # fmt: skip
+        print(f"{'policy':<24}" + "".join(f"{n:>20}" for n in names))
+        for p in policies:
+            cells = "".join(f"{res[n][clock][p]:>8.3f}x ({res[n][replay][p]:.3f}x)" for n in names)
+            print(f"{p:<24}{cells}")
 
 
 @hydra.main(config_path="../conf", config_name="main", version_base=None)
 def main(cfg) -> None:
     conf: MainConf = OmegaConf.to_object(cfg)
     w = conf.wallclock
-    check_wallclock(conf, w.cost, w.repeats)
+    check_wallclock(conf, w.cost, w.repeats, w.steady_from)
     out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / conf.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     traces = record_traces(conf)
     total = w.repeats * sum(len(split(t, conf)[1]) for t in traces.values())
     bar = tqdm(total=total, desc="wall-clock runs (prompt × repeat)", disable=not conf.progress)
-    res = measure(conf, traces, w.cost, w.repeats, progress=bar.update)
+    res = measure(conf, traces, w.cost, w.repeats, progress=bar.update, steady_from=w.steady_from)
     bar.close()
-    print_table(res, w.cost)
-    (out_dir / "wallclock.json").write_text(json.dumps({"cost": w.cost, "repeats": w.repeats, "workloads": res},
+    print_table(res, w.cost, w.steady_from)
+    (out_dir / "wallclock.json").write_text(json.dumps({"cost": w.cost, "repeats": w.repeats,
+                                                        "steady_from": w.steady_from, "workloads": res},
                                                        indent=2))  # fmt: skip
     print(f"wrote {out_dir / 'wallclock.json'}")
 

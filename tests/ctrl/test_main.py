@@ -722,12 +722,17 @@ def test_wallclock_entry_point(smoke_run):
             == {"static-best-test", "static-best-test-bare", "aggrevate-seed0", "ppo-seed0"}
         )
         assert all(0 < v < 100 for v in w["speedup"].values()) and w["target_only_seconds"] > 0
+        # the same speed-ups over the tokens from wallclock.steady_from on (the first rounds after a prefill apart)
+        assert set(w["steady_speedup"]) == set(w["replay_steady_speedup"]) == set(w["speedup"])
+        assert all(0 < v < 100 for v in [*w["steady_speedup"].values(), *w["replay_steady_speedup"].values()])
+    assert res["steady_from"] == 4 and "tokens from position 4 on" in proc.stdout  # main_smoke sets 4
     smoke = {(r["workload"], r["policy"]): r["speedup_vs_ar"] for r in json.loads((tmp / "run" / "results.json")
              .read_text()) if r["cost_model"] == "measured-cpu" and r["backend"] == "replay"}  # fmt: skip
     for wl, w in res["workloads"].items():  # the replay figures are the evaluation's, for the same policies
         assert w["replay_speedup"]["static-best-test"] == pytest.approx(smoke[wl, "static-best-test"], rel=1e-9)
     assert "speed-up over target-only decoding on the held-out prompts: wall clock" in proc.stdout
-    for bad, msg in (("wallclock.cost=h100", "not one of costs"), ("wallclock.repeats=0", "repeats must be >= 1")):
+    for bad, msg in (("wallclock.cost=h100", "not one of costs"), ("wallclock.repeats=0", "repeats must be >= 1"),
+                     ("wallclock.steady_from=-1", "steady_from must be in")):  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "ctrl.wallclock", "+experiment=main_smoke", bad,
                                f"hydra.run.dir={tmp / 'wc_bad'}"], cwd=tmp, env=_env(tmp), capture_output=True,
                               text=True, timeout=120)  # fmt: skip
