@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ctrl.config import MainConf
+from ctrl.metrics import summarize
 from ctrl.pipeline import calibrate, check_conf, fit_acceptance_model, grid_of, record_traces, replay_env, split
 from ctrl.rollout import frozen_runner, run_requests, static_runner
 
@@ -83,19 +84,18 @@ def decode(engine: Any, prompt: list[int], max_new_tokens: int, steady_from: int
         session.close()
 
 
-def replay_speedups(requests: list[list[Any]], steady_from: int) -> tuple[float, float]:
-    """(speed-up over plain decoding, the same over the tokens from `steady_from` on) of replayed requests' rounds:
-    Σ committed / Σ T_spec/T_AR (ctrl.metrics), each round weighted by `steady_share` for the second."""
-    committed = units = steady_committed = steady_units = 0.0
+def replay_steady_speedup(requests: list[list[Any]], steady_from: int) -> float:
+    """ctrl.metrics' speed-up over plain decoding (Σ committed / Σ T_spec/T_AR) of replayed requests' rounds over
+    the tokens from `steady_from` on: each round weighted by its `steady_share`."""
+    committed = units = 0.0
     for rounds in requests:
         position = 0
         for r in rounds:
-            f, u = steady_share(position, int(r.committed), steady_from), float(r.cost) / float(r.cost_ar)
-            committed, units = committed + r.committed, units + u
-            steady_committed, steady_units = steady_committed + f * r.committed, steady_units + f * u
+            f = steady_share(position, int(r.committed), steady_from)
+            committed += f * r.committed
+            units += f * float(r.cost) / float(r.cost_ar)
             position += int(r.committed)
-    return (committed / units if units > 0 else 0.0,
-            steady_committed / steady_units if steady_units > 0 else 0.0)  # fmt: skip
+    return committed / units if units > 0 else 0.0
 
 
 def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int, progress=None,
@@ -157,9 +157,11 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
             if k != BARE:  # a learned policy with a probe replays where it pays the probe, as it runs
                 e = penv if "policy" in kw and kw["policy"].probe else env
                 actors[k] = (e, static_runner(e, idx) if "policy" not in kw else frozen_runner(kw["policy"], e))
-        both = {k: replay_speedups(run_requests(e, test_ids, a, "index"), steady_from) for k, (e, a) in actors.items()}
-        both[BARE] = both["static-best-test"]  # the same action, priced on the instrumented engine
-        replay = {k: v[0] for k, v in both.items()}
+        replayed = {k: run_requests(e, test_ids, a, "index") for k, (e, a) in actors.items()}
+        replay = {k: summarize(reqs).speedup_vs_ar for k, reqs in replayed.items()}
+        steady_replay = {k: replay_steady_speedup(reqs, steady_from) for k, reqs in replayed.items()}
+        for figures in (replay, steady_replay):  # the same action, priced on the instrumented engine
+            figures[BARE] = figures["static-best-test"]
         out[name] = {
             "replay_speedup": replay,
             "target_only_seconds": sum(best_base),
@@ -167,7 +169,7 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
                 depth=spec.depth, width=spec.width, lam=spec.lam, rule=spec.verify_rule, threshold=spec.verify_threshold
             ),  # fmt: skip
             "speedup": {k: sum(best_base) / sum(v) for k, v in best.items()},
-            "replay_steady_speedup": {k: v[1] for k, v in both.items()},
+            "replay_steady_speedup": steady_replay,
             "steady_speedup": {k: sum(steady_base) / sum(v) for k, v in steady.items()},
         }
     return out
