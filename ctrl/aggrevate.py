@@ -25,11 +25,16 @@ probabilities), so freezing and a later PPO fine-tune work unchanged.
     V_s(t)    = R(t, a_s) − T_spec(t, a_s)/T_AR(t) + V_s(t + R(t, a_s))
     Q_s(t, a) = R(t, a) − T_spec(t, a)/T_AR(t) + V_s(t + R(t, a))
 
-and rolls in with a_s. Q* assumes the future is played perfectly, so the actor fitted to it drafts as if the
-next rounds will be fully accepted; Q_s prices every action against what the best fixed action would then
+and rolls in with a_s. Under a cost with a warm-up surcharge (the fitted kind: a request's first R rounds after its
+prefill cost w(i) more whatever they run, engine.cost.warmup) the state is (t, round index i ≤ R): every Q and V above
+takes i, each round subtracts w(i)/T_AR(t), and the next state is (t + R(t, a), min(i + 1, R)) — still exact, so
+committing more tokens in the expensive first rounds is priced.
+
+Q* assumes the future is played perfectly, so the actor fitted to it drafts as if the next rounds will be fully
+accepted; Q_s prices every action against what the best fixed action would then
 do, so a policy with zero regret against it is at least as good as a_s on its states (policy improvement).
 
-Shape letters: B=states A=grid actions (flat, env.actions.ActionCodec order) T=positions.
+Shape letters: B=states A=grid actions (flat, env.actions.ActionCodec order) T=positions R=warm-up rounds.
 """
 
 from __future__ import annotations
@@ -42,29 +47,50 @@ import torch
 
 
 def oracle_q(env: Any, request: int) -> np.ndarray:
-    """Q*(t, a) [T, A] of every position of `request` and every flat grid action."""
+    """Q*(t, i, a) [T, R + 1, A] of every position t, round index state i (env.oracle.plan: R = the cost model's
+    warm-up length, 0 without one) and flat grid action a."""
     from env.oracle import plan
 
     e = env.unwrapped
     p = plan(e, request, "return")
-    pos = e.trace.positions_of(request)
-    p0, T = pos.start, len(pos)
-    committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
-    reward = committed - e.tables.cost[p0 : p0 + T] / e.tables.ar[p0 : p0 + T, None]
-    return reward + p.value[np.minimum(np.arange(T)[:, None] + committed, T)]
+    return _q(e, request, p.value)
 
 
 def static_q(env: Any, request: int, action: int) -> np.ndarray:
-    """Q_s(t, a) [T, A]: every action at t, then the static flat action `action` to the end of `request`."""
+    """Q_s(t, i, a) [T, R + 1, A]: every action at (t, i), then the static flat action `action` to the end of
+    `request`."""
+    from env.oracle import warmup_of
+
     e = env.unwrapped
     pos = e.trace.positions_of(request)
     p0, T = pos.start, len(pos)
     committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
-    reward = committed - e.tables.cost[p0 : p0 + T] / e.tables.ar[p0 : p0 + T, None]
-    value = np.zeros(T + 1)
+    ar = e.tables.ar[p0 : p0 + T]
+    reward = committed - e.tables.cost[p0 : p0 + T] / ar[:, None]
+    warm = warmup_of(e)
+    R = len(warm) - 1
+    value = np.zeros((T + 1, R + 1))
+    nxt_i = np.minimum(np.arange(R + 1) + 1, R)
     for t in range(T - 1, -1, -1):
-        value[t] = reward[t, action] + value[min(t + int(committed[t, action]), T)]
-    return reward + value[np.minimum(np.arange(T)[:, None] + committed, T)]
+        value[t] = reward[t, action] - warm / ar[t] + value[min(t + int(committed[t, action]), T), nxt_i]
+    return _q(e, request, value)
+
+
+def _q(e: Any, request: int, value: np.ndarray) -> np.ndarray:
+    """Q(t, i, a) [T, R + 1, A] = R(t, a) − (T_spec(t, a) + w(i))/T_AR(t) + V(t + R(t, a), min(i + 1, R)) for a
+    value-to-go V [T + 1, R + 1] (w: the warm-up surcharge, env.oracle.warmup_of)."""
+    from env.oracle import warmup_of
+
+    pos = e.trace.positions_of(request)
+    p0, T = pos.start, len(pos)
+    committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
+    ar = e.tables.ar[p0 : p0 + T]
+    reward = committed - e.tables.cost[p0 : p0 + T] / ar[:, None]  # [T, A]
+    warm = warmup_of(e)
+    R = len(warm) - 1
+    nxt = np.minimum(np.arange(T)[:, None] + committed, T)  # [T, A]
+    ahead = value[nxt[:, None, :], np.minimum(np.arange(R + 1) + 1, R)[None, :, None]]  # [T, R + 1, A]
+    return reward[:, None, :] - (warm[None, :] / ar[:, None])[:, :, None] + ahead
 
 
 def best_static_action(env: Any, requests: Sequence[int]) -> int:
@@ -97,7 +123,7 @@ Expert = tuple[int | None, dict[int, np.ndarray]]  # (static action a_s or None:
 
 
 def experts(envs: Sequence[Any], requests: Sequence[Sequence[int]], expert: str = "oracle") -> list[Expert]:
-    """Each env's expert: its Q rows [T, A] per request (oracle_q, or static_q of its best static action).
+    """Each env's expert: its Q rows [T, R + 1, A] per request (oracle_q, or static_q of its best static action).
     They do not change between iterations, so they are computed once."""
     out = []
     for env, reqs in zip(envs, requests):
@@ -115,15 +141,15 @@ def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any,
     for env, reqs, (a_s, qs) in zip(envs, requests, expert):
         e = env.unwrapped
         for i in reqs:
-            q = qs[int(i)]
+            q = qs[int(i)]  # [T, R + 1, A]
             vec, _ = e.reset(options={"request": int(i)})
             done = False
             while not done:
-                t = e.position
+                row = q[e.position, min(len(e.rounds), q.shape[1] - 1)]  # the state's round index (warm-up)
                 obs_out.append(vec.copy())
-                q_out.append(q[t])
+                q_out.append(row)
                 if rng.random() < beta:
-                    a = int(np.argmax(q[t])) if a_s is None else a_s
+                    a = int(np.argmax(row)) if a_s is None else a_s
                 else:
                     with torch.no_grad():
                         lp = joint_log_prob(policy, torch.as_tensor(vec).unsqueeze(0), e.codec.nvec)

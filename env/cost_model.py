@@ -36,6 +36,9 @@ import numpy as np
 
 from engine.cost.drafter_cost import DrafterRoofline, DrafterSpec, load_drafter_spec
 from engine.cost.roofline import LAUNCHES_PER_FORWARD, LAUNCHES_PER_LAYER, ModelSpec, load_hardware
+from engine.cost.warmup import WarmupCost
+
+NO_WARMUP = WarmupCost()
 
 LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model
 
@@ -49,10 +52,11 @@ class RoundCost:
     book: float
     ar: float
     choice: float = 0.0  # a learned controller's choice before the round (CostModel.choice), where it is priced
+    warmup: float = 0.0  # the surcharge of a request's first rounds after its prefill (CostModel.warmup)
 
     @property
     def total(self) -> float:
-        return self.draft + self.verify + self.book + self.choice
+        return self.draft + self.verify + self.book + self.choice + self.warmup
 
 
 class CostModel:
@@ -114,6 +118,16 @@ class CostModel:
     def book(self, n: int) -> float:
         """T_book: the engine's host work of a round verifying n tokens (0 unless measured: the fitted kind)."""
         return 0.0
+
+    def warmup_cost(self) -> WarmupCost:
+        """The warm-up surcharge of a request's first rounds after its prefill (engine.cost.warmup): none unless
+        measured (the fitted kind). Every round pays `warmup(round index)`, target-only decoding's too (its round i is
+        position i: the T_AR of env.tables); env.replay, env.live and the DPs of env.oracle add it."""
+        return NO_WARMUP
+
+    def warmup(self, round_index: int) -> float:
+        """`warmup_cost().at(round_index)`: seconds added to a request's round `round_index` (0 = the first)."""
+        return self.warmup_cost().at(round_index)
 
     def price(
         self,

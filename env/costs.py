@@ -53,6 +53,7 @@ from engine.cost.fitted import (
 )
 from engine.cost.host_cost import HostCost, ProbeCost, fit_host_cost, fit_probe_cost
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
+from engine.cost.warmup import STEADY_FROM, WarmupCost, fit_warmup_cost
 from env.cost_model import LOOKUP_SPEC, CostModel, RooflineCostModel, RoundCost
 from env.models import NGRAM_DRAFTER
 from env.shared import view
@@ -108,12 +109,15 @@ class FittedCostModel(CostModel):
         plain_step: FittedCost | None = None,
         probe_fit: ProbeCost | None = None,
         choice_seconds: float | None = None,
+        warmup_fit: WarmupCost | None = None,
     ) -> None:
         """plain_step: a target-only engine's forward (T_AR's; default `target.decode`); probe_fit: the drafter's timed
         probes (default: priced as drafting, CostModel.probe); choice_seconds: a learned controller's choice, the mean
-        of its timings in place (default: CostModel.choice's constant)."""
+        of its timings in place (default: CostModel.choice's constant); warmup_fit: the surcharge of a request's first
+        rounds (engine.cost.warmup; default none)."""
         self.target, self.drafter_fit, self.probe_fit = target, drafter, probe_fit
         self.choice_seconds = choice_seconds
+        self.warmup_fit = warmup_fit if warmup_fit is not None else WarmupCost()
         self.host = host if host is not None else HostCost(0.0, 0.0, 0.0, 0.0)
         self.plain_step = plain_step if plain_step is not None else target.decode
         self.routing_shape = routing_shape
@@ -125,7 +129,8 @@ class FittedCostModel(CostModel):
             dataclasses.asdict(self.host),
             dataclasses.asdict(self.plain_step),
         ] + ([dataclasses.asdict(probe_fit)] if probe_fit is not None else []) + (
-            [{"choice_seconds": choice_seconds}] if choice_seconds is not None else [])  # fmt: skip
+            [{"choice_seconds": choice_seconds}] if choice_seconds is not None else []) + (
+            [{"warmup": list(self.warmup_fit.seconds)}] if self.warmup_fit.seconds else [])  # fmt: skip
 
     def verify(
         self,
@@ -160,6 +165,9 @@ class FittedCostModel(CostModel):
     def choice(self) -> float:
         return self.choice_seconds if self.choice_seconds is not None else super().choice()
 
+    def warmup_cost(self) -> WarmupCost:
+        return self.warmup_fit
+
     def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
         """T_AR: a target-only engine's step, its forward and its host work."""
         L, _, r = self.routing_shape
@@ -192,13 +200,20 @@ class FittedCostModel(CostModel):
         shape = (trace.num_moe_layers, trace.num_experts, trace.top_r)
         target = fit_two_regimes(samples)
         plain, n, steps = a["cal_live_plain"], a["cal_live_verified"], a["cal_live_draft_steps"]
+        # the first rounds after a prefill are slower whatever they run: a surcharge by round index, fitted to whole
+        # rounds (engine.cost.warmup), and every other live fit to the steady rounds only (all of them where the
+        # requests are too short to have steady rounds of both engines)
+        warmup, steady = _warmup_fit(a)
         drafted = steps > 0
         cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
         # both (neither records routing), so one fit to both engines' timed rounds; what the engines do differently
         # around it is their host work (`host`: book(1) and plain)
-        decode = _single_token_fit(a, ~drafted, shape) or target.decode  # plain_step defaults to it
-        host = fit_host_cost(n[~cut], a["cal_live_host_seconds"][~cut], plain[~cut])  # K = 0, target-only, trees
+        decode = _single_token_fit(a, ~drafted & steady, shape) or target.decode  # plain_step defaults to it
+        keep = ~cut & steady  # K = 0, target-only, trees
+        host = fit_host_cost(n[keep], a["cal_live_host_seconds"][keep], plain[keep])
+        drafted &= steady
+        cut &= steady
         # a cut round ran a slower single-token forward and more host work than a K = 0 round (its tree, its cut);
         # that surplus is priced with its drafting
         seconds = a["cal_live_draft_seconds"].astype(np.float64)
@@ -213,17 +228,35 @@ class FittedCostModel(CostModel):
         drafter = fit_drafter_cost(list(live) if drafted.sum() >= 3 else list(recorded))
         # the drafter's probe (none: no probe): timed in place before the live K = 0 rounds, as a probing policy runs
         # it, else at every position of the recording (warm, right after its drafting: cheaper)
-        live_probed = a["cal_live_probe_seconds"] > 0
+        live_probed = (a["cal_live_probe_seconds"] > 0) & steady
         if live_probed.sum() >= 3:
             probe = fit_probe_cost(a["cal_live_context"][live_probed], a["cal_live_probe_seconds"][live_probed])
         else:
             probed = a["probe_seconds"] > 0
             probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
         # a learned controller's choice, timed in place before the live K = 0 rounds (its mean: what it costs a round)
-        chose = a["cal_live_policy_seconds"] > 0
+        chose = (a["cal_live_policy_seconds"] > 0) & steady
         choice = float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()) if chose.sum() >= 3 else None
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe,
-                   choice_seconds=choice)  # fmt: skip
+                   choice_seconds=choice, warmup_fit=warmup)  # fmt: skip
+
+
+def _warmup_fit(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.ndarray]:
+    """(the warm-up surcharge, the steady rounds [H] the other live fits use) of a trace's timed live rounds: the
+    rounds from index STEADY_FROM on, or every round and no surcharge when fewer than MIN_STEADY of them ran on
+    either engine."""
+    index = arrays["cal_live_round"]
+    steady = index >= STEADY_FROM
+    plain = arrays["cal_live_plain"]
+    if (steady & plain).sum() < MIN_STEADY or (steady & ~plain).sum() < MIN_STEADY:
+        return WarmupCost(), np.ones(len(index), dtype=bool)
+    seconds = sum(arrays[f"cal_live_{k}_seconds"].astype(np.float64)
+                  for k in ("draft", "forward", "host", "probe", "policy"))  # fmt: skip
+    fit = fit_warmup_cost(arrays["cal_live_run"], index, arrays["cal_live_verified"], seconds)
+    return fit, steady
+
+
+MIN_STEADY = 8  # steady rounds each engine needs before the warm-up is fitted
 
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):

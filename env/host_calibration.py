@@ -18,6 +18,9 @@ sample of the probe's price (the recorder's own timing runs warm, right after it
 15–18 µs in place, session 2026-12-06 f); then a learned controller's choice, by a stand-in of its shape
 (engine.runtime.frozen.stand_in_policy: the main job's actor, random weights, K = 0 whatever it observes), whose
 RoundStats.policy_seconds are the samples of what a learned policy pays per round (cal_live_policy_seconds).
+Each round also records its run (cal_live_run: 0 the target-only engine, 1 + the index of its action in `host_actions`)
+and its index in its request (cal_live_round): the first rounds after a prefill are slower whatever they run, which the
+fitted cost prices as a warm-up surcharge by round index (engine.cost.warmup) and leaves out of the other fits.
 """
 
 from __future__ import annotations
@@ -103,10 +106,10 @@ class HostCalibrator:
             self._warm = True
         out: dict[str, list] = {k: [] for k in LIVE_ARRAYS}
         runs = [(self.base, None)] + [(self.spec, a) for a in self.actions]
-        for engine, action in runs:
+        for run, (engine, action) in enumerate(runs):
             position = 0
             rule = DRAFT_RULES.index(draft_rule(action)) if action is not None else 0
-            for r in self._generate(engine, prompt, max_new_tokens, params, action).rounds:
+            for i, r in enumerate(self._generate(engine, prompt, max_new_tokens, params, action).rounds):
                 remaining = max_new_tokens - position
                 kd = min(action.depth, remaining - 1) if action is not None and remaining > 1 else 0
                 steps = drafter_steps(kd, r.built_depth, action) if kd > 0 else 0
@@ -114,7 +117,7 @@ class HostCalibrator:
                        "draft_steps": steps, "rule": rule, "width": r.width,
                        "draft_seconds": r.time["draft"] if steps > 0 else 0.0, "forward_seconds": r.time["forward"],
                        "host_seconds": r.host_seconds, "probe_seconds": r.probe_seconds,
-                       "policy_seconds": r.policy_seconds}  # fmt: skip
+                       "policy_seconds": r.policy_seconds, "run": run, "round": i}  # fmt: skip
                 for k, v in row.items():
                     out[f"cal_live_{k}"].append(v)
                 position += r.committed

@@ -215,6 +215,7 @@ class LiveEnv(gym.Env):
         self.session = None
         self.request: int | None = None
         self._ar_measured = self._measure_ar() if measured else None
+        self._ar_warmup: dict[int, float] = {}  # request id -> plain decoding's warm-up at its position (_price)
 
     # ------------------------------------------------------------------ pricing (engine round_cost hook)
     def _price(self, stats: RoundStats) -> tuple[float, float]:
@@ -260,6 +261,10 @@ class LiveEnv(gym.Env):
                     cost = replace(cost, draft=cost.draft + self.cost_model.probe(ctx, min(K, remaining - 1), W))
         if self.choice_seconds:  # the caller's choice before the round, priced (module docstring)
             cost = replace(cost, choice=self.choice_seconds)
+        if not self.measured:  # a request's first rounds after its prefill, as env.replay prices them; T_AR at its
+            # position: plain decoding's round there (engine.cost.warmup)
+            self._ar_warmup[rid] = self.cost_model.warmup(self.session.requests[rid].max_new - remaining)
+            cost = replace(cost, warmup=self.cost_model.warmup(stats.round_index), ar=cost.ar + self._ar_warmup[rid])
         self._costs[rid] = cost
         return cost.total, cost.ar
 
@@ -385,6 +390,7 @@ class LiveEnv(gym.Env):
             "cost_verify": cost.verify,
             "cost_book": cost.book,
             "cost_choice": cost.choice,
+            "cost_warmup": cost.warmup,
             "cost_ar": cost.ar,
             "distinct_experts": sum(st0.distinct_experts) if len(active) == 1 else self._last_union,
             "utility": committed * cost.ar / cost.total,
@@ -444,7 +450,9 @@ class LiveEnv(gym.Env):
         )
         draft = max(c.draft for c in costs)  # one batched drafter forward per depth: priced as the deepest request's
         cm = self.cost_model  # host work: the batch-1 fit at the batch's tokens (env.costs: timed at batch 1)
-        return RoundCost(draft=draft, verify=verify, book=cm.book(n), ar=ar + cm.book_ar())
+        # one forward: its warm-up surcharge is the batch's earliest round's, T_AR's the earliest position's
+        warm, ar_warm = max(c.warmup for c in costs), max(self._ar_warmup.get(rid, 0.0) for rid in active)
+        return RoundCost(draft=draft, verify=verify, book=cm.book(n), ar=ar + cm.book_ar() + ar_warm, warmup=warm)
 
     def close(self) -> None:
         if self.session is not None:

@@ -50,6 +50,10 @@ requests (indices to draw from), target_digest / drafter_digest (checked against
 (above).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
+Where the cost model has a warm-up surcharge (the fitted kind: a request's first rounds after its prefill run slower
+whatever they run, engine.cost.warmup), each round pays it by its index in the episode (`info["cost_warmup"]`), and
+T_AR at position t includes plain decoding's (its round t, env.tables).
+
 Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
 device expert cache, empty at every reset, and adds each round's expert transfers at step time (`cost`,
 `cost_verify`); everything else is still a lookup, and the same actions give the same costs after any reset.
@@ -280,6 +284,7 @@ class ReplayEnv(gym.Env):
         self._specs = {}
         self.routing_shape = tuple(self.cost_model.routing_shape)
         self._stateful = bool(self.cost_model.stateful)
+        self._warmup = self.cost_model.warmup_cost()
         self._device_cache = None  # roofline-offload: the episode's expert cache (env.cost_offload)
 
     def _spec_fields(self, idx: tuple[int, int, int, int]) -> tuple[int, int, float, str]:
@@ -403,6 +408,8 @@ class ReplayEnv(gym.Env):
             transfer = self.cost_model.transfer(int(self._device_cache.access(pairs_mask(pairs, L, E)).sum()))
             verify = verify + transfer
             cost = draft + verify + book + self.choice_cost
+        warm = self._warmup.at(len(self.rounds))  # the request's first rounds after its prefill (engine.cost.warmup)
+        cost += warm
         overlap = None  # a one-token round's overlap is not observed (engine.runtime.round_record)
         if self._prev_pairs is not None and n > 1:
             overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)
@@ -454,6 +461,7 @@ class ReplayEnv(gym.Env):
             "cost_verify": verify,
             "cost_book": book,
             "cost_choice": self.choice_cost,
+            "cost_warmup": warm,
             "cost_ar": ar,
             "distinct_experts": sum(distinct),
             "utility": com * ar / cost,

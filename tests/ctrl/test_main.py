@@ -754,8 +754,31 @@ def test_aggrevate_static_expert_q(trained):
     for i in train_ids:
         q, q_star = static_q(env, i, a_s), oracle_q(env, i)
         ret, _ = static_returns(env, i)
-        assert q[0, a_s] == pytest.approx(ret[a_s])  # episode return of a_s from the first position
-        assert q[0].max() >= q[0, a_s] and np.all(q_star >= q - 1e-9)  # the oracle's future is the best one
+        assert q[0, 0, a_s] == pytest.approx(ret[a_s])  # episode return of a_s from the first position, round 0
+        assert q[0, 0].max() >= q[0, 0, a_s] and np.all(q_star >= q - 1e-9)  # the oracle's future is the best one
+
+
+def test_aggrevate_q_rows_take_the_round_index_under_a_warm_up(trained, monkeypatch):
+    """Under a cost with a warm-up surcharge (engine.cost.warmup) the expert's Q rows are [T, R + 1, A]: the oracle's
+    best row at (0, 0) is its plan's value, and Q_s(0, 0, a) of a static action is its episode return as the env
+    prices it, surcharges included."""
+    from ctrl.aggrevate import oracle_q, static_q
+    from engine.cost.warmup import WarmupCost
+    from env.costs import FittedCostModel
+    from env.oracle import plan, static_returns
+    from env.replay import ReplayEnv
+
+    monkeypatch.setattr(FittedCostModel, "warmup_cost", lambda self: WarmupCost((4e-4, 2e-4, 1e-4)))
+    conf, trace, grid, _, acceptance = trained
+    env = ReplayEnv(trace, grid=grid, cost={"kind": "fitted"}, cache=False, acceptance=acceptance)
+    for i in range(min(3, trace.num_requests)):
+        q = oracle_q(env, i)
+        assert q.shape == (len(trace.positions_of(i)), 4, env.codec.num_actions)
+        assert q[0, 0].max() == pytest.approx(plan(env, i, "return").best)
+        ret, _ = static_returns(env, i)
+        for a in {0, int(np.argmax(ret))}:
+            assert static_q(env, i, a)[0, 0, a] == pytest.approx(ret[a])
+            assert np.all(q >= static_q(env, i, a) - 1e-9)
 
 
 def test_aggrevate_entropy_term_keeps_the_optimum_interior():

@@ -149,3 +149,34 @@ def test_prompt_lookup_drafter_spec_prices_host_work_only():
         DrafterSpec("x", "lookup", 1, 1, 1, 1, 1, 1, 1, host_seconds=-1.0)
     with pytest.raises(ValueError, match="kind must be one of"):
         DrafterSpec("x", "suffix", 1, 1, 1, 1, 1, 1, 1)
+
+
+def test_the_warm_up_is_fitted_on_whole_live_rounds_and_kept_out_of_the_steady_fits():
+    """env.costs._warmup_fit: with steady rounds (index >= STEADY_FROM) of both engines, the surcharge of the first
+    rounds comes from whole rounds (drafting, forward, host work, probe, choice) and only steady rounds feed the other
+    live fits; requests too short for steady rounds fit none and keep every round."""
+    from engine.cost.warmup import STEADY_FROM
+    from env.costs import _warmup_fit
+    from env.host_calibration import LIVE_ARRAYS
+
+    warm = (5e-4, 2e-4, 1e-4)
+
+    def arrays(length: int) -> dict[str, np.ndarray]:
+        rows = []
+        for run, plain, n, part in ((0, True, 1, "host"), (1, False, 1, "probe"), (2, False, 4, "draft")):
+            for _ in range(4):  # requests
+                for i in range(length):
+                    extra = warm[i] if i < len(warm) else 0.0
+                    rows.append({"run": run, "plain": plain, "verified": n, "round": i, "forward_seconds": 2e-4,
+                                 f"{part}_seconds": 1e-4 + extra})  # the surcharge lands in one part or another
+        out = {k: np.zeros(len(rows), dtype=d) for k, d in LIVE_ARRAYS.items()}
+        for j, r in enumerate(rows):
+            for k, v in r.items():
+                out[f"cal_live_{k}"][j] = v
+        return out
+
+    fit, steady = _warmup_fit(arrays(STEADY_FROM + 4))
+    assert fit.seconds == pytest.approx(warm, rel=1e-5)
+    assert steady.sum() == 3 * 4 * 4 and steady.dtype == bool
+    fit, steady = _warmup_fit(arrays(STEADY_FROM))
+    assert fit.seconds == () and steady.all()

@@ -91,3 +91,73 @@ def test_headroom_report(greedy_trace):
 def test_oracle_needs_replay():
     with pytest.raises(TypeError, match="Replay-v0"):
         HindsightOracle(object())
+
+
+WARMUP = (4e-4, 2e-4, 1e-4, 5e-5)  # seconds: a request's rounds 0..3 after its prefill cost this much more
+
+
+@pytest.fixture
+def warm_fitted(monkeypatch):
+    """The fitted cost with a warm-up surcharge (engine.cost.warmup), whatever the short test traces measure."""
+    from engine.cost.warmup import WarmupCost
+    from env.costs import FittedCostModel
+
+    monkeypatch.setattr(FittedCostModel, "warmup_cost", lambda self: WarmupCost(WARMUP))
+    return {"kind": "fitted"}
+
+
+def test_the_warm_up_is_priced_by_round_index_and_the_dps_stay_exact(greedy_trace, warm_fitted):
+    """Each round pays w(its index in the episode), T_AR at position t plain decoding's w(t); the oracle's DP over
+    (position, round index) is still a bound every policy meets with equality only by following it, static_returns
+    equals stepping each action, and span_cost equals a brute force that prices the surcharge per round."""
+    e = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=warm_fitted, cache=False)
+    rng = np.random.default_rng(1)
+    A = e.tables.cost.shape[1]
+    for req in range(greedy_trace.num_requests):
+        pos = greedy_trace.positions_of(req)
+        T = len(pos)
+        surcharge = [e.tables.ar[p] - e.cost_model.ar(int(e.tables.context[p])) for p in pos]
+        assert surcharge == pytest.approx([*WARMUP, *[0.0] * (T - len(WARMUP))], abs=1e-15)
+        best = plan(e, req, "return").best
+        rets, costs = static_returns(e, req)
+        for a in range(A):  # stepping a static action: every round pays its index's surcharge
+            e.reset(options={"request": req})
+            total, cost, i = 0.0, 0.0, 0
+            while True:
+                _, r, term, trunc, info = e.step(e.codec.encode(e.codec.unflat(a)))
+                assert info["cost_warmup"] == (WARMUP[i] if i < len(WARMUP) else 0.0)
+                total, cost, i = total + r, cost + info["cost"], i + 1
+                if term or trunc:
+                    break
+            assert total == pytest.approx(rets[a], abs=1e-9) and cost == pytest.approx(costs[a], rel=1e-12)
+        for _ in range(10):
+            e.reset(options={"request": req})
+            total = 0.0
+            while True:
+                _, r, term, trunc, _ = e.step(rng.integers(e.codec.nvec))
+                total += r
+                if term or trunc:
+                    break
+            assert total <= best + 1e-9
+        oracle = HindsightOracle(e)
+        obs, _ = e.reset(options={"request": req})
+        total = 0.0
+        while True:
+            obs, r, term, trunc, _ = e.step(oracle.action(obs))
+            total += r
+            if term or trunc:
+                break
+        assert total == pytest.approx(best, abs=1e-9)
+        assert span_cost(e, req, 1) == pytest.approx(plan(e, req, "cost").best, rel=1e-12)
+        assert span_cost(e, req, T) == pytest.approx(costs.min(), rel=1e-12)
+        span = (T + 1) // 2
+        brute = np.inf
+        for sched in itertools.product(range(A), repeat=2):
+            t, total, i = 0, 0.0, 0
+            while t < T:
+                a = sched[t // span]
+                total += float(e.tables.cost[pos.start + t, a]) + (WARMUP[i] if i < len(WARMUP) else 0.0)
+                t += int(e.tables.committed_pa[pos.start + t, a])
+                i += 1
+            brute = min(brute, total)
+        assert span_cost(e, req, span) == pytest.approx(brute, rel=1e-12)
