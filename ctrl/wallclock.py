@@ -22,9 +22,10 @@ instrumented engine). Prints the table and writes `wallclock.json` into the run 
 
 Steady state (`wallclock.steady_from`, default 16 tokens): the same speed-ups over the tokens from that position on
 only. A round's time, on the clock or in replay, counts pro rata to its committed tokens at or past it
-(`steady_share`). On a CPU the first rounds after a prefill run up to three times slower, for every policy, and
-replay prices a round by its position and action only, so that warm-up is part of the all-tokens gap between clock
-and replay but not of the steady-state one.
+(`steady_share`). On a CPU the first rounds after a prefill run up to three times slower, for every policy; the
+measured cost prices that as a warm-up surcharge by round index (engine.cost.warmup, since trace format 10). What
+replay still leaves out shows in both tables alike: a verification right after a round that verified nothing, and a
+single-token round right after a verification, cost more than the same rounds in a run of their own kind.
 """
 
 from __future__ import annotations
