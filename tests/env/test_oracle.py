@@ -14,44 +14,38 @@ from env.replay import ReplayEnv
 COSTS = [{"kind": "roofline", "model_spec": "target"}, {"kind": "roofline"}, {"kind": "fitted"}]
 
 
+def _episode(e, req, act) -> tuple[float, list[dict]]:
+    """(return, every step's info) of one episode of request `req`, act(obs) -> env action."""
+    obs, _ = e.reset(options={"request": req})
+    total, infos = 0.0, []
+    while True:
+        obs, r, term, trunc, info = e.step(act(obs))
+        total += r
+        infos.append(info)
+        if term or trunc:
+            return total, infos
+
+
+def _check_the_oracle_bounds(e, req, rng, random_policies: int) -> None:
+    """No static or random policy beats the oracle's return on `req`, the oracle as a policy reaches it, and the
+    best static action's return equals stepping it."""
+    best = plan(e, req, "return").best
+    fastest = plan(e, req, "cost").best
+    rets, costs = static_returns(e, req)
+    assert np.all(rets <= best + 1e-9) and np.all(costs >= fastest - 1e-12)
+    for _ in range(random_policies):
+        assert _episode(e, req, lambda obs: rng.integers(e.codec.nvec))[0] <= best + 1e-9
+    assert _episode(e, req, HindsightOracle(e).action)[0] == pytest.approx(best, abs=1e-9)
+    a = int(np.argmax(rets))
+    assert _episode(e, req, lambda obs: e.codec.encode(e.codec.unflat(a)))[0] == pytest.approx(rets[a], abs=1e-9)
+
+
 @pytest.mark.parametrize("cost", COSTS, ids=["target", "qwen3-30b", "fitted"])
 def test_no_policy_beats_the_oracle(greedy_trace, cost):
     e = ReplayEnv(greedy_trace, grid={**SMALL_GRID, "lams": [0.0, 1.0]}, cost=cost, cache=False)
     rng = np.random.default_rng(0)
     for req in range(greedy_trace.num_requests):
-        best = plan(e, req, "return").best
-        fastest = plan(e, req, "cost").best
-        rets, costs = static_returns(e, req)
-        assert np.all(rets <= best + 1e-9) and np.all(costs >= fastest - 1e-12)
-        for _ in range(20):  # random policies
-            e.reset(options={"request": req})
-            total = 0.0
-            while True:
-                _, r, term, trunc, _ = e.step(rng.integers(e.codec.nvec))
-                total += r
-                if term or trunc:
-                    break
-            assert total <= best + 1e-9
-        # the oracle as a policy reaches its value
-        oracle = HindsightOracle(e)
-        obs, _ = e.reset(options={"request": req})
-        total = 0.0
-        while True:
-            obs, r, term, trunc, _ = e.step(oracle.action(obs))
-            total += r
-            if term or trunc:
-                break
-        assert total == pytest.approx(best, abs=1e-9)
-        # static returns agree with stepping the env
-        a = int(np.argmax(rets))
-        e.reset(options={"request": req})
-        total = 0.0
-        while True:
-            _, r, term, trunc, _ = e.step(e.codec.encode(e.codec.unflat(a)))
-            total += r
-            if term or trunc:
-                break
-        assert total == pytest.approx(rets[a], abs=1e-9)
+        _check_the_oracle_bounds(e, req, rng, 20)
 
 
 def test_span_cost_spans_the_static_best_to_the_oracle(greedy_trace):
@@ -118,36 +112,13 @@ def test_the_warm_up_is_priced_by_round_index_and_the_dps_stay_exact(greedy_trac
         T = len(pos)
         surcharge = [e.tables.ar[p] - e.cost_model.ar(int(e.tables.context[p])) for p in pos]
         assert surcharge == pytest.approx([*WARMUP, *[0.0] * (T - len(WARMUP))], abs=1e-15)
-        best = plan(e, req, "return").best
+        _check_the_oracle_bounds(e, req, rng, 10)
         rets, costs = static_returns(e, req)
         for a in range(A):  # stepping a static action: every round pays its index's surcharge
-            e.reset(options={"request": req})
-            total, cost, i = 0.0, 0.0, 0
-            while True:
-                _, r, term, trunc, info = e.step(e.codec.encode(e.codec.unflat(a)))
-                assert info["cost_warmup"] == (WARMUP[i] if i < len(WARMUP) else 0.0)
-                total, cost, i = total + r, cost + info["cost"], i + 1
-                if term or trunc:
-                    break
-            assert total == pytest.approx(rets[a], abs=1e-9) and cost == pytest.approx(costs[a], rel=1e-12)
-        for _ in range(10):
-            e.reset(options={"request": req})
-            total = 0.0
-            while True:
-                _, r, term, trunc, _ = e.step(rng.integers(e.codec.nvec))
-                total += r
-                if term or trunc:
-                    break
-            assert total <= best + 1e-9
-        oracle = HindsightOracle(e)
-        obs, _ = e.reset(options={"request": req})
-        total = 0.0
-        while True:
-            obs, r, term, trunc, _ = e.step(oracle.action(obs))
-            total += r
-            if term or trunc:
-                break
-        assert total == pytest.approx(best, abs=1e-9)
+            total, infos = _episode(e, req, lambda obs, a=a: e.codec.encode(e.codec.unflat(a)))
+            assert [i["cost_warmup"] for i in infos] == [*WARMUP, *[0.0] * len(infos)][: len(infos)]
+            assert total == pytest.approx(rets[a], abs=1e-9)
+            assert sum(i["cost"] for i in infos) == pytest.approx(costs[a], rel=1e-12)
         assert span_cost(e, req, 1) == pytest.approx(plan(e, req, "cost").best, rel=1e-12)
         assert span_cost(e, req, T) == pytest.approx(costs.min(), rel=1e-12)
         span = (T + 1) // 2
