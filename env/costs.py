@@ -203,7 +203,7 @@ class FittedCostModel(CostModel):
         # the first rounds after a prefill are slower whatever they run: a surcharge by round index, fitted to whole
         # rounds (engine.cost.warmup), and every other live fit to the steady rounds only (all of them where the
         # requests are too short to have steady rounds of both engines)
-        warmup, steady = _warmup_fit(a)
+        warmup, steady = warmup_and_steady(a)
         drafted = steps > 0
         cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
@@ -241,7 +241,7 @@ class FittedCostModel(CostModel):
                    choice_seconds=choice, warmup_fit=warmup)  # fmt: skip
 
 
-def _warmup_fit(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.ndarray]:
+def warmup_and_steady(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.ndarray]:
     """(the warm-up surcharge, the steady rounds [H] the other live fits use) of a trace's timed live rounds: the
     rounds from index STEADY_FROM on, or every round and no surcharge when fewer than MIN_STEADY of them ran on
     either engine."""

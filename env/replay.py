@@ -50,10 +50,7 @@ requests (indices to draw from), target_digest / drafter_digest (checked against
 (above).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
-Where the cost model has a warm-up surcharge (the fitted kind: a request's first rounds after its prefill run slower
-whatever they run, engine.cost.warmup), each round pays it by its index in the episode (`info["cost_warmup"]`), and
-T_AR at position t includes plain decoding's (its round t, env.tables).
-
+A cost with a warm-up (the fitted kind, engine.cost.warmup) charges each round by its index (`info["cost_warmup"]`).
 Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
 device expert cache, empty at every reset, and adds each round's expert transfers at step time (`cost`,
 `cost_verify`); everything else is still a lookup, and the same actions give the same costs after any reset.

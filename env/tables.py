@@ -15,8 +15,7 @@ For position p (root = last committed token, t = its index in the request) and a
     footprint = engine.runtime.footprint.round_footprint of the verified nodes' routing (the recorded
                 target's, or identity-keyed synthetic routing of the priced model: engine.cost.node_router)
     cost      = env.costs.CostModel: T_draft(Kd, W, λ > 0) + T_verify(n, Σ U_l, context) + T_book, and T_AR
-                (with plain decoding's warm-up surcharge of its round t = position t, engine.cost.warmup; a policy's
-                own rounds pay theirs by round index at step time, env.replay)
+                (+ plain decoding's round-t warm-up, engine.cost.warmup; a policy's rounds pay theirs in env.replay)
                 (roofline-ep prices from the verified nodes' routing ids; roofline-offload, stateful, adds to
                 `cost` the expert transfers against the cache plain decoding holds at p — the oracle's
                 stateless proxy; `o_verify` stays resident-only and the replay env adds the transfers against
@@ -58,8 +57,7 @@ from env.cost_offload import pairs_mask, root_mask
 from env.costs import draft_rule, drafter_steps
 from env.trace import Trace, atomic_write_bytes
 
-TABLES_VERSION = 5  # 4: NodeRouter's cross-layer following acts on fresh noise (overlap 0.37, not 0.81); 5: T_AR
-# at position t includes the cost model's warm-up surcharge of round t (plain decoding's round t)
+TABLES_VERSION = 5  # 4: NodeRouter's cross-layer following acts on fresh noise (overlap 0.37, not 0.81); 5: warm-up
 
 
 def footprint_of(ids: np.ndarray, num_experts: int):

@@ -152,11 +152,11 @@ def test_prompt_lookup_drafter_spec_prices_host_work_only():
 
 
 def test_the_warm_up_is_fitted_on_whole_live_rounds_and_kept_out_of_the_steady_fits():
-    """env.costs._warmup_fit: with steady rounds (index >= STEADY_FROM) of both engines, the surcharge of the first
-    rounds comes from whole rounds (drafting, forward, host work, probe, choice) and only steady rounds feed the other
-    live fits; requests too short for steady rounds fit none and keep every round."""
+    """env.costs.warmup_and_steady: with steady rounds (index >= STEADY_FROM) of both engines, the surcharge of the
+    first rounds comes from whole rounds (drafting, forward, host work, probe, choice) and only steady rounds feed the
+    other live fits; requests too short for steady rounds fit none and keep every round."""
     from engine.cost.warmup import STEADY_FROM
-    from env.costs import _warmup_fit
+    from env.costs import warmup_and_steady
     from env.host_calibration import LIVE_ARRAYS
 
     warm = (5e-4, 2e-4, 1e-4)
@@ -175,8 +175,8 @@ def test_the_warm_up_is_fitted_on_whole_live_rounds_and_kept_out_of_the_steady_f
                 out[f"cal_live_{k}"][j] = v
         return out
 
-    fit, steady = _warmup_fit(arrays(STEADY_FROM + 4))
+    fit, steady = warmup_and_steady(arrays(STEADY_FROM + 4))
     assert fit.seconds == pytest.approx(warm, rel=1e-5)
     assert steady.sum() == 3 * 4 * 4 and steady.dtype == bool
-    fit, steady = _warmup_fit(arrays(STEADY_FROM))
+    fit, steady = warmup_and_steady(arrays(STEADY_FROM))
     assert fit.seconds == () and steady.all()

@@ -271,17 +271,19 @@ def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace)
     calibration (Session.probe after the previous round's forward), and the fitted cost prices it from those samples;
     a drafter without a probe (the EAGLE head) has the context probe timed so (engine.runtime.context_probe)."""
     from engine.cost.host_cost import fit_probe_cost
-    from env.costs import FittedCostModel
+    from env.costs import FittedCostModel, warmup_and_steady
 
     a = ngram_trace.arrays
     probed = a["cal_live_probe_seconds"] > 0
     k0 = ~a["cal_live_plain"] & (a["cal_live_draft_steps"] == 0) & (a["cal_live_verified"] == 1)
     assert probed.sum() >= 3 and not (probed & ~k0).any()  # K = 0 rounds only (the last one of a request: no probe)
     cm = FittedCostModel.from_trace(ngram_trace)
+    probed &= warmup_and_steady(a)[1]  # the steady rounds (engine.cost.warmup): the first ones carry the warm-up
     assert cm.probe_fit == fit_probe_cost(a["cal_live_context"][probed], a["cal_live_probe_seconds"][probed])
     g = greedy_trace.arrays
     timed = g["cal_live_probe_seconds"] > 0
     assert timed.sum() >= 3 and not (timed & ~(~g["cal_live_plain"] & (g["cal_live_draft_steps"] == 0))).any()
+    timed &= warmup_and_steady(g)[1]
     assert FittedCostModel.from_trace(greedy_trace).probe_fit == fit_probe_cost(
         g["cal_live_context"][timed], g["cal_live_probe_seconds"][timed])  # fmt: skip
 
@@ -292,13 +294,14 @@ def test_the_choice_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace
     fitted cost prices it at their mean, and the roofline at CHOICE_HOST_SECONDS. Both drafters time it (the EAGLE
     head's policies choose too)."""
     from env.cost_model import CHOICE_HOST_SECONDS
-    from env.costs import FittedCostModel
+    from env.costs import FittedCostModel, warmup_and_steady
 
     for trace in (ngram_trace, greedy_trace):
         a = trace.arrays
         chose = a["cal_live_policy_seconds"] > 0
         k0 = ~a["cal_live_plain"] & (a["cal_live_draft_steps"] == 0) & (a["cal_live_verified"] == 1)
         assert chose.sum() >= 3 and not (chose & ~k0).any()  # the K = 0 action's rounds (K > 0 ends with one too)
+        chose &= warmup_and_steady(a)[1]  # its steady rounds
         cm = FittedCostModel.from_trace(trace)
         assert cm.choice() == pytest.approx(float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()))
         assert 0 < cm.choice() < 1e-3
