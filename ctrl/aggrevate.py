@@ -52,44 +52,40 @@ def oracle_q(env: Any, request: int) -> np.ndarray:
     from env.oracle import plan
 
     e = env.unwrapped
-    p = plan(e, request, "return")
-    return _q(e, request, p.value)
+    return _q(_request(e, request), plan(e, request, "return").value)
 
 
 def static_q(env: Any, request: int, action: int) -> np.ndarray:
     """Q_s(t, i, a) [T, R + 1, A]: every action at (t, i), then the static flat action `action` to the end of
     `request`."""
-    from env.oracle import warmup_of
-
     e = env.unwrapped
-    pos = e.trace.positions_of(request)
-    p0, T = pos.start, len(pos)
-    committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
-    ar = e.tables.ar[p0 : p0 + T]
-    reward = committed - e.tables.cost[p0 : p0 + T] / ar[:, None]
-    warm = warmup_of(e)
-    R = len(warm) - 1
-    value = np.zeros((T + 1, R + 1))
-    nxt_i = np.minimum(np.arange(R + 1) + 1, R)
+    tab = committed, reward, ar, warm, nxt_i = _request(e, request)
+    T = len(committed)
+    value = np.zeros((T + 1, len(warm)))
     for t in range(T - 1, -1, -1):
         value[t] = reward[t, action] - warm / ar[t] + value[min(t + int(committed[t, action]), T), nxt_i]
-    return _q(e, request, value)
+    return _q(tab, value)
 
 
-def _q(e: Any, request: int, value: np.ndarray) -> np.ndarray:
+Request = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _request(e: Any, request: int) -> Request:
+    """(committed [T, A], R − T_spec/T_AR [T, A], T_AR [T], w [R + 1], next round index [R + 1]) of `request`
+    (env.oracle.request_tables, env.oracle.round_states)."""
+    from env.oracle import request_tables, round_states
+
+    committed, cost, ar = request_tables(e, request)
+    return (committed, committed - cost / ar[:, None], ar, *round_states(e))
+
+
+def _q(tab: Request, value: np.ndarray) -> np.ndarray:
     """Q(t, i, a) [T, R + 1, A] = R(t, a) − (T_spec(t, a) + w(i))/T_AR(t) + V(t + R(t, a), min(i + 1, R)) for a
-    value-to-go V [T + 1, R + 1] (w: the warm-up surcharge, env.oracle.warmup_of)."""
-    from env.oracle import warmup_of
-
-    pos = e.trace.positions_of(request)
-    p0, T = pos.start, len(pos)
-    committed = e.tables.committed_pa[p0 : p0 + T].astype(np.int64)
-    ar = e.tables.ar[p0 : p0 + T]
-    reward = committed - e.tables.cost[p0 : p0 + T] / ar[:, None]  # [T, A]
-    warm = warmup_of(e)
-    R = len(warm) - 1
+    value-to-go V [T + 1, R + 1] (w: the warm-up surcharge)."""
+    committed, reward, ar, warm, nxt_i = tab
+    T = len(committed)
     nxt = np.minimum(np.arange(T)[:, None] + committed, T)  # [T, A]
-    ahead = value[nxt[:, None, :], np.minimum(np.arange(R + 1) + 1, R)[None, :, None]]  # [T, R + 1, A]
+    ahead = value[nxt[:, None, :], nxt_i[None, :, None]]  # [T, R + 1, A]
     return reward[:, None, :] - (warm[None, :] / ar[:, None])[:, :, None] + ahead
 
 

@@ -241,6 +241,9 @@ class FittedCostModel(CostModel):
                    choice_seconds=choice, warmup_fit=warmup)  # fmt: skip
 
 
+MIN_STEADY = 8  # steady rounds each engine needs before the warm-up is fitted
+
+
 def warmup_and_steady(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.ndarray]:
     """(the warm-up surcharge, the steady rounds [H] the other live fits use) of a trace's timed live rounds: the
     rounds from index STEADY_FROM on, or every round and no surcharge when fewer than MIN_STEADY of them ran on
@@ -254,9 +257,6 @@ def warmup_and_steady(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.nda
                   for k in ("draft", "forward", "host", "probe", "policy"))  # fmt: skip
     fit = fit_warmup_cost(arrays["cal_live_run"], index, arrays["cal_live_verified"], seconds)
     return fit, steady
-
-
-MIN_STEADY = 8  # steady rounds each engine needs before the warm-up is fitted
 
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):

@@ -69,7 +69,7 @@ class OraclePlan:
         return out
 
 
-def _request_tables(env: Any, request: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def request_tables(env: Any, request: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(committed [T, A] int64, cost [T, A], T_AR [T]) of `request`'s positions in a ReplayEnv's tables."""
     tables = env.unwrapped.tables
     positions = env.unwrapped.trace.positions_of(request)
@@ -82,15 +82,21 @@ def warmup_of(env: Any) -> np.ndarray:
     return env.unwrapped.cost_model.warmup_cost().padded()
 
 
+def round_states(env: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(w [R + 1]: `warmup_of`, the next round's index state [R + 1]: min(i + 1, R)) of the DPs' round index i."""
+    warm = warmup_of(env)
+    R = len(warm) - 1
+    return warm, np.minimum(np.arange(R + 1) + 1, R)
+
+
 def plan(env: Any, request: int, objective: str = "return") -> OraclePlan:
     """The DP of the module docstring for `request` of a ReplayEnv's trace and grid, over (position, round index):
     a round at index i also pays the warm-up surcharge w(i) (0 from R on), so the round index is part of the state."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    committed, cost, ar = _request_tables(env, request)
-    warm = warmup_of(env)
+    committed, cost, ar = request_tables(env, request)
+    warm, nxt_i = round_states(env)
     R = len(warm) - 1
-    nxt_i = np.minimum(np.arange(R + 1) + 1, R)  # [R + 1] the next round's index state
     T = len(committed)
     reward = committed - cost / ar[:, None]
     value = np.zeros((T + 1, R + 1))
@@ -120,7 +126,7 @@ def span_cost(env: Any, request: int, span: int) -> float:
                             + best[first round start past it, i + those rounds]"""
     if span < 1:
         raise ValueError(f"span must be >= 1 token, got {span}")
-    committed, cost, _ = _request_tables(env, request)
+    committed, cost, _ = request_tables(env, request)
     warm = warmup_of(env)
     R = len(warm) - 1
     cum = np.concatenate([[0.0], np.cumsum(warm)])  # cum[k] = Σ_{j<k} w(j); w(j) = 0 for j >= R
@@ -142,7 +148,7 @@ def span_cost(env: Any, request: int, span: int) -> float:
     best = np.zeros((T + 1, R + 1))
     for t in range(T - 1, -1, -1):
         after = np.minimum(idx + rounds[t][None], R)  # [R + 1, A]
-        surcharge = cum[np.minimum(idx + rounds[t][None], R)] - cum[idx]  # w of the rounds idx .. idx + m − 1
+        surcharge = cum[after] - cum[idx]  # w of the rounds idx .. idx + m − 1
         best[t] = np.min(total[t][None] + surcharge + best[np.minimum(at[t], T)[None], after], axis=1)
     return float(best[0, 0])
 
