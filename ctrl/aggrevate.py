@@ -28,13 +28,15 @@ probabilities), so freezing and a later PPO fine-tune work unchanged.
 and rolls in with a_s. Under a cost with a warm-up surcharge (the fitted kind: a request's first R rounds after its
 prefill cost w(i) more whatever they run, engine.cost.warmup) the state is (t, round index i ≤ R): every Q and V above
 takes i, each round subtracts w(i)/T_AR(t), and the next state is (t + R(t, a), min(i + 1, R)) — still exact, so
-committing more tokens in the expensive first rounds is priced.
+committing more tokens in the expensive first rounds is priced. A switching surcharge (engine.cost.switching: a
+round of the other kind than the one before it costs more) adds the previous round's kind to the state the same way
+(env.oracle.RoundStates), so alternating between plain decoding and speculation is priced too.
 
 Q* assumes the future is played perfectly, so the actor fitted to it drafts as if the next rounds will be fully
 accepted; Q_s prices every action against what the best fixed action would then
 do, so a policy with zero regret against it is at least as good as a_s on its states (policy improvement).
 
-Shape letters: B=states A=grid actions (flat, env.actions.ActionCodec order) T=positions R=warm-up rounds.
+Shape letters: B=states A=grid actions (flat, env.actions.ActionCodec order) T=positions S=round states.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ import torch
 
 
 def oracle_q(env: Any, request: int) -> np.ndarray:
-    """Q*(t, i, a) [T, R + 1, A] of every position t, round index state i (env.oracle.plan: R = the cost model's
-    warm-up length, 0 without one) and flat grid action a."""
+    """Q*(t, s, a) [T, S, A] of every position t, round state s (env.oracle.RoundStates: the round index under a
+    warm-up surcharge, the previous round's kind under a switching one; S = 1 without either) and flat grid action a."""
     from env.oracle import plan
 
     e = env.unwrapped
@@ -56,37 +58,41 @@ def oracle_q(env: Any, request: int) -> np.ndarray:
 
 
 def static_q(env: Any, request: int, action: int) -> np.ndarray:
-    """Q_s(t, i, a) [T, R + 1, A]: every action at (t, i), then the static flat action `action` to the end of
+    """Q_s(t, s, a) [T, S, A]: every action at (t, s), then the static flat action `action` to the end of
     `request`."""
     e = env.unwrapped
-    tab = committed, reward, ar, warm, nxt_i = _request(e, request)
+    tab = committed, reward, ar, verifying, st = _request(e, request)
     T = len(committed)
-    value = np.zeros((T + 1, len(warm)))
+    value = np.zeros((T + 1, st.size))
     for t in range(T - 1, -1, -1):
-        value[t] = reward[t, action] - warm / ar[t] + value[min(t + int(committed[t, action]), T), nxt_i]
+        v = int(verifying[t, action])
+        value[t] = reward[t, action] - st.surcharge[:, v] / ar[t] + value[min(t + int(committed[t, action]), T),
+                                                                          st.after[:, v]]  # fmt: skip
     return _q(tab, value)
 
 
-Request = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+Request = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]
 
 
 def _request(e: Any, request: int) -> Request:
-    """(committed [T, A], R − T_spec/T_AR [T, A], T_AR [T], w [R + 1], next round index [R + 1]) of `request`
+    """(committed [T, A], R − T_spec/T_AR [T, A], T_AR [T], verifying [T, A], RoundStates) of `request`
     (env.oracle.request_tables, env.oracle.round_states)."""
     from env.oracle import request_tables, round_states
 
-    committed, cost, ar = request_tables(e, request)
-    return (committed, committed - cost / ar[:, None], ar, *round_states(e))
+    committed, cost, ar, verifying = request_tables(e, request)
+    return committed, committed - cost / ar[:, None], ar, verifying, round_states(e)
 
 
 def _q(tab: Request, value: np.ndarray) -> np.ndarray:
-    """Q(t, i, a) [T, R + 1, A] = R(t, a) − (T_spec(t, a) + w(i))/T_AR(t) + V(t + R(t, a), min(i + 1, R)) for a
-    value-to-go V [T + 1, R + 1] (w: the warm-up surcharge)."""
-    committed, reward, ar, warm, nxt_i = tab
+    """Q(t, s, a) [T, S, A] = R(t, a) − (T_spec(t, a) + surcharge(s, a verifies))/T_AR(t) + V(t + R(t, a), next state)
+    for a value-to-go V [T + 1, S] (env.oracle.RoundStates)."""
+    committed, reward, ar, verifying, st = tab
     T = len(committed)
     nxt = np.minimum(np.arange(T)[:, None] + committed, T)  # [T, A]
-    ahead = value[nxt[:, None, :], nxt_i[None, :, None]]  # [T, R + 1, A]
-    return reward[:, None, :] - (warm[None, :] / ar[:, None])[:, :, None] + ahead
+    rows = np.arange(st.size)[None, :, None]
+    v = verifying[:, None, :]  # [T, 1, A]
+    ahead = value[nxt[:, None, :], st.after[rows, v]]  # [T, S, A]
+    return reward[:, None, :] - st.surcharge[rows, v] / ar[:, None, None] + ahead
 
 
 def best_static_action(env: Any, requests: Sequence[int]) -> int:
@@ -119,7 +125,7 @@ Expert = tuple[int | None, dict[int, np.ndarray]]  # (static action a_s or None:
 
 
 def experts(envs: Sequence[Any], requests: Sequence[Sequence[int]], expert: str = "oracle") -> list[Expert]:
-    """Each env's expert: its Q rows [T, R + 1, A] per request (oracle_q, or static_q of its best static action).
+    """Each env's expert: its Q rows [T, S, A] per request (oracle_q, or static_q of its best static action).
     They do not change between iterations, so they are computed once."""
     out = []
     for env, reqs in zip(envs, requests):
@@ -134,14 +140,17 @@ def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any,
     """States visited by the β-mixture of the expert and the policy, with the expert's Q rows and the flat
     actions taken."""
     obs_out, q_out, act_out = [], [], []
+    from env.oracle import round_states
+
     for env, reqs, (a_s, qs) in zip(envs, requests, expert):
         e = env.unwrapped
+        states = round_states(e)
         for i in reqs:
-            q = qs[int(i)]  # [T, R + 1, A]
+            q = qs[int(i)]  # [T, S, A]
             vec, _ = e.reset(options={"request": int(i)})
             done = False
             while not done:
-                row = q[e.position, min(len(e.rounds), q.shape[1] - 1)]  # the state's round index (warm-up)
+                row = q[e.position, states.of_episode(e)]  # the round state (warm-up, switching)
                 obs_out.append(vec.copy())
                 q_out.append(row)
                 if rng.random() < beta:

@@ -36,9 +36,11 @@ import numpy as np
 
 from engine.cost.drafter_cost import DrafterRoofline, DrafterSpec, load_drafter_spec
 from engine.cost.roofline import LAUNCHES_PER_FORWARD, LAUNCHES_PER_LAYER, ModelSpec, load_hardware
+from engine.cost.switching import SwitchCost
 from engine.cost.warmup import WarmupCost
 
 NO_WARMUP = WarmupCost()
+NO_SWITCH = SwitchCost()
 
 LOOKUP_SPEC = "prompt_lookup"  # conf/drafter_spec of the model-free n-gram drafter, whatever the priced model
 
@@ -53,10 +55,11 @@ class RoundCost:
     ar: float
     choice: float = 0.0  # a learned controller's choice before the round (CostModel.choice), where it is priced
     warmup: float = 0.0  # the surcharge of a request's first rounds after its prefill (CostModel.warmup)
+    switch: float = 0.0  # the surcharge of a round of the other kind than the one before (CostModel.switch)
 
     @property
     def total(self) -> float:
-        return self.draft + self.verify + self.book + self.choice + self.warmup
+        return self.draft + self.verify + self.book + self.choice + self.warmup + self.switch
 
 
 class CostModel:
@@ -128,6 +131,16 @@ class CostModel:
     def warmup(self, round_index: int) -> float:
         """`warmup_cost().at(round_index)`: seconds added to a request's round `round_index` (0 = the first)."""
         return self.warmup_cost().at(round_index)
+
+    def switch_cost(self) -> SwitchCost:
+        """The switching surcharge of a round whose kind (verifying or single-token) differs from the round before it
+        (engine.cost.switching): none unless measured (the fitted kind). env.replay, env.live and the DPs of env.oracle
+        add it; target-only decoding never switches."""
+        return NO_SWITCH
+
+    def switch(self, previous: int, verifying: bool) -> float:
+        """`switch_cost().at(previous, verifying)` (previous: engine.cost.switching.NONE / SINGLE / VERIFY)."""
+        return self.switch_cost().at(previous, verifying)
 
     def price(
         self,

@@ -53,6 +53,7 @@ from engine.cost.fitted import (
 )
 from engine.cost.host_cost import HostCost, ProbeCost, fit_host_cost, fit_probe_cost
 from engine.cost.roofline import load_model_spec, model_spec_from_hf_config
+from engine.cost.switching import SwitchCost, fit_switch_cost, switched_rounds
 from engine.cost.warmup import STEADY_FROM, WarmupCost, fit_warmup_cost
 from env.cost_model import LOOKUP_SPEC, CostModel, RooflineCostModel, RoundCost
 from env.models import NGRAM_DRAFTER
@@ -110,14 +111,17 @@ class FittedCostModel(CostModel):
         probe_fit: ProbeCost | None = None,
         choice_seconds: float | None = None,
         warmup_fit: WarmupCost | None = None,
+        switch_fit: SwitchCost | None = None,
     ) -> None:
         """plain_step: a target-only engine's forward (T_AR's; default `target.decode`); probe_fit: the drafter's timed
         probes (default: priced as drafting, CostModel.probe); choice_seconds: a learned controller's choice, the mean
         of its timings in place (default: CostModel.choice's constant); warmup_fit: the surcharge of a request's first
-        rounds (engine.cost.warmup; default none)."""
+        rounds (engine.cost.warmup; default none); switch_fit: the surcharge of a round of the other kind than the one
+        before it (engine.cost.switching; default none)."""
         self.target, self.drafter_fit, self.probe_fit = target, drafter, probe_fit
         self.choice_seconds = choice_seconds
         self.warmup_fit = warmup_fit if warmup_fit is not None else WarmupCost()
+        self.switch_fit = switch_fit if switch_fit is not None else SwitchCost()
         self.host = host if host is not None else HostCost(0.0, 0.0, 0.0, 0.0)
         self.plain_step = plain_step if plain_step is not None else target.decode
         self.routing_shape = routing_shape
@@ -130,7 +134,8 @@ class FittedCostModel(CostModel):
             dataclasses.asdict(self.plain_step),
         ] + ([dataclasses.asdict(probe_fit)] if probe_fit is not None else []) + (
             [{"choice_seconds": choice_seconds}] if choice_seconds is not None else []) + (
-            [{"warmup": list(self.warmup_fit.seconds)}] if self.warmup_fit.seconds else [])  # fmt: skip
+            [{"warmup": list(self.warmup_fit.seconds)}] if self.warmup_fit.seconds else []) + (
+            [dataclasses.asdict(self.switch_fit)] if self.switch_fit.any else [])  # fmt: skip
 
     def verify(
         self,
@@ -168,6 +173,9 @@ class FittedCostModel(CostModel):
     def warmup_cost(self) -> WarmupCost:
         return self.warmup_fit
 
+    def switch_cost(self) -> SwitchCost:
+        return self.switch_fit
+
     def ar(self, context_len: int, routing: np.ndarray | None = None) -> float:
         """T_AR: a target-only engine's step, its forward and its host work."""
         L, _, r = self.routing_shape
@@ -204,6 +212,10 @@ class FittedCostModel(CostModel):
         # rounds (engine.cost.warmup), and every other live fit to the steady rounds only (all of them where the
         # requests are too short to have steady rounds of both engines)
         warmup, steady = warmup_and_steady(a)
+        # a round of the other kind than the one before it costs more (engine.cost.switching): a surcharge fitted to
+        # the steady rounds that switched, which the other live fits then leave out
+        switch, switched = switch_and_switched(a)
+        steady = steady & ~switched
         drafted = steps > 0
         cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
@@ -238,7 +250,7 @@ class FittedCostModel(CostModel):
         chose = (a["cal_live_policy_seconds"] > 0) & steady
         choice = float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()) if chose.sum() >= 3 else None
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe,
-                   choice_seconds=choice, warmup_fit=warmup)  # fmt: skip
+                   choice_seconds=choice, warmup_fit=warmup, switch_fit=switch)  # fmt: skip
 
 
 MIN_STEADY = 8  # steady rounds each engine needs before the warm-up is fitted
@@ -253,10 +265,30 @@ def warmup_and_steady(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.nda
     plain = arrays["cal_live_plain"]
     if (steady & plain).sum() < MIN_STEADY or (steady & ~plain).sum() < MIN_STEADY:
         return WarmupCost(), np.ones(len(index), dtype=bool)
-    seconds = sum(arrays[f"cal_live_{k}_seconds"].astype(np.float64)
-                  for k in ("draft", "forward", "host", "probe", "policy"))  # fmt: skip
-    fit = fit_warmup_cost(arrays["cal_live_run"], index, arrays["cal_live_verified"], seconds)
+    fit = fit_warmup_cost(arrays["cal_live_run"], index, arrays["cal_live_verified"], live_seconds(arrays))
     return fit, steady
+
+
+def live_seconds(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """[H] each timed live round's whole seconds: drafting, forward, host work, probe and choice."""
+    return sum(arrays[f"cal_live_{k}_seconds"].astype(np.float64)
+               for k in ("draft", "forward", "host", "probe", "policy"))  # fmt: skip
+
+
+def live_fit_rounds(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """[H] the timed live rounds the fits other than the surcharges use: the steady ones (`warmup_and_steady`) that
+    did not switch kind (`switch_and_switched`)."""
+    return warmup_and_steady(arrays)[1] & ~switch_and_switched(arrays)[1]
+
+
+def switch_and_switched(arrays: dict[str, np.ndarray]) -> tuple[SwitchCost, np.ndarray]:
+    """(the switching surcharge, the timed live rounds [H] it prices: those after a round of the other kind) of a
+    trace's timed live rounds; no surcharge and no round singled out when neither direction could be fitted."""
+    run, index, n = arrays["cal_live_run"], arrays["cal_live_round"], arrays["cal_live_verified"]
+    fit = fit_switch_cost(run, index, n, live_seconds(arrays))
+    if not fit.any:
+        return fit, np.zeros(len(index), dtype=bool)
+    return fit, switched_rounds(run, index, n)
 
 
 def _single_token_fit(arrays: dict[str, np.ndarray], rows: np.ndarray, shape: tuple[int, int, int]):

@@ -49,6 +49,7 @@ from gymnasium import spaces
 
 import engine
 from engine.cost.node_router import NodeRouter, child_key
+from engine.cost.switching import NONE, kind_of
 from engine.runtime.action_grid import ActionGrid
 from engine.runtime.observation import OBS_DIM, observe
 from engine.runtime.stats import RoundStats
@@ -265,6 +266,9 @@ class LiveEnv(gym.Env):
             # position: plain decoding's round there (engine.cost.warmup)
             self._ar_warmup[rid] = self.cost_model.warmup(self.session.requests[rid].max_new - remaining)
             cost = replace(cost, warmup=self.cost_model.warmup(stats.round_index), ar=cost.ar + self._ar_warmup[rid])
+            before = self.session.requests[rid].rounds  # this round is not in them yet (the engine's round_cost hook)
+            previous = kind_of(before[-1].verified_tokens) if before else NONE
+            cost = replace(cost, switch=self.cost_model.switch(previous, n > 1))  # engine.cost.switching
         self._costs[rid] = cost
         return cost.total, cost.ar
 
@@ -391,6 +395,7 @@ class LiveEnv(gym.Env):
             "cost_book": cost.book,
             "cost_choice": cost.choice,
             "cost_warmup": cost.warmup,
+            "cost_switch": cost.switch,
             "cost_ar": cost.ar,
             "distinct_experts": sum(st0.distinct_experts) if len(active) == 1 else self._last_union,
             "utility": committed * cost.ar / cost.total,
@@ -450,9 +455,11 @@ class LiveEnv(gym.Env):
         )
         draft = max(c.draft for c in costs)  # one batched drafter forward per depth: priced as the deepest request's
         cm = self.cost_model  # host work: the batch-1 fit at the batch's tokens (env.costs: timed at batch 1)
-        # one forward: its warm-up surcharge is the batch's earliest round's, T_AR's the earliest position's
+        # one forward: its warm-up surcharge is the batch's earliest round's, T_AR's the earliest position's, its
+        # switching surcharge the largest of its requests'
         warm, ar_warm = max(c.warmup for c in costs), max(self._ar_warmup.get(rid, 0.0) for rid in active)
-        return RoundCost(draft=draft, verify=verify, book=cm.book(n), ar=ar + cm.book_ar() + ar_warm, warmup=warm)
+        return RoundCost(draft=draft, verify=verify, book=cm.book(n), ar=ar + cm.book_ar() + ar_warm, warmup=warm,
+                         switch=max(c.switch for c in costs))  # fmt: skip
 
     def close(self) -> None:
         if self.session is not None:

@@ -8,10 +8,11 @@ In replay an action's outcome at a position (committed tokens, cost) does not de
     best[t] = min_a  T_spec(t, a) + best[t + committed(t, a)]   objective "cost":   least total seconds
 
 (committed >= 1, so the recursion runs backwards over t). Under a cost with a warm-up surcharge (the fitted kind:
-a request's first R rounds after its prefill cost w(i) more, engine.cost.warmup) the state is (t, round index i ≤ R)
-and every round adds w(i): still exact. best[0] bounds the episode return (or time)
-of every policy over the grid: no controller can beat it on its trace. It reads the future, so it is a
-policy only in replay: `HindsightOracle(env)` looks up the running episode's position.
+a request's first R rounds after its prefill cost w(i) more, engine.cost.warmup) and a switching surcharge (a round
+of the other kind than the one before it costs more, engine.cost.switching) the state is (t, round index i ≤ R, the
+previous round's kind: `RoundStates`) and every round adds its state's surcharge: still exact. best[0] bounds the
+episode return (or time) of every policy over the grid: no controller can beat it on its trace. It reads the future,
+so it is a policy only in replay: `HindsightOracle(env)` looks up the running episode's position.
 
 Under a stateful cost model (roofline-offload: a round's transfers depend on the episode's device cache) the
 DP plans on the tables' stateless proxy (transfers against the cache plain decoding holds at each position,
@@ -29,143 +30,171 @@ from typing import Any
 
 import numpy as np
 
+from engine.cost.switching import NONE, SINGLE, VERIFY, kind_of
 from engine.spec.config import SpecConfig
 
 OBJECTIVES = ("return", "cost")
 
 
 @dataclass(frozen=True)
+class RoundStates:
+    """The DPs' state beyond the position: the round index i capped at R (the cost model's warm-up length,
+    engine.cost.warmup; R = 0 without one) and, under a switching surcharge (engine.cost.switching), the kind of the
+    previous round (NONE / SINGLE / VERIFY; one kind without one). State s = i·P + previous, P = 1 or 3."""
+
+    surcharge: np.ndarray  # [S, 2] seconds a round at state s adds, by whether it verifies (0 / 1)
+    after: np.ndarray  # [S, 2] int64 the next round's state
+    kinds: int  # P
+
+    @property
+    def size(self) -> int:
+        return len(self.after)
+
+    def of(self, round_index: int, previous: int = NONE) -> int:
+        """The state of a request's round `round_index` after a round of kind `previous`."""
+        R = self.size // self.kinds - 1
+        return min(round_index, R) * self.kinds + (previous if self.kinds > 1 else 0)
+
+    def of_episode(self, env: Any) -> int:
+        """The state of a ReplayEnv's running episode's next round."""
+        rounds = env.rounds
+        return self.of(len(rounds), kind_of(rounds[-1].verified_tokens) if rounds else NONE)
+
+
+def round_states(env: Any) -> RoundStates:
+    """The RoundStates of a ReplayEnv's cost model: its warm-up surcharge w(i) (0 from R on) and switching surcharge."""
+    cm = env.unwrapped.cost_model
+    warm = cm.warmup_cost().padded()  # [R + 1]
+    switch = cm.switch_cost()
+    R = len(warm) - 1
+    P = 3 if switch.any else 1
+    i = np.repeat(np.arange(R + 1), P)  # [S] each state's round index
+    prev = np.tile(np.arange(P), R + 1)  # [S] ... and previous kind
+    surcharge = np.repeat(warm[i][:, None], 2, axis=1)
+    if P > 1:
+        surcharge += switch.table()[prev]
+        after = np.minimum(i + 1, R)[:, None] * P + np.array([SINGLE, VERIFY])[None, :]
+    else:
+        after = np.repeat(np.minimum(i + 1, R)[:, None], 2, axis=1)
+    return RoundStates(surcharge, after.astype(np.int64), P)
+
+
+@dataclass(frozen=True)
 class OraclePlan:
-    """The DP's solution for one request. The state is (local position t, round index i) with i capped at R, the
-    length of the cost model's warm-up surcharge (engine.cost.warmup; R = 0 without one: the position alone)."""
+    """The DP's solution for one request over (local position t, round state s: `RoundStates`)."""
 
     request: int
     objective: str
-    value: np.ndarray  # [T + 1, R + 1] best return-to-go (or least cost-to-go) from position t at round index i
-    action: np.ndarray  # [T, R + 1] flat grid action achieving it
+    value: np.ndarray  # [T + 1, S] best return-to-go (or least cost-to-go) from position t at state s
+    action: np.ndarray  # [T, S] flat grid action achieving it
     committed: np.ndarray  # [T, A] committed tokens of every action (the DP's transitions)
+    verifying: np.ndarray  # [T, A] bool: the action verifies more than one token there
+    states: RoundStates
 
     @property
     def best(self) -> float:
         return float(self.value[0, 0])
 
-    @property
-    def rounds(self) -> int:
-        """R: round indices from R on are one state (no surcharge)."""
-        return self.value.shape[1] - 1
-
-    def action_at(self, t: int, round_index: int) -> int:
-        """The flat action at local position t, round index `round_index`."""
-        return int(self.action[t, min(round_index, self.rounds)])
+    def action_at(self, t: int, state: int) -> int:
+        """The flat action at local position t, round state `state` (RoundStates.of)."""
+        return int(self.action[t, state])
 
     def path(self) -> list[tuple[int, int]]:
         """(position, flat action) along the optimal episode."""
-        out, t, i = [], 0, 0
+        out, t, s = [], 0, 0
         while t < len(self.action):
-            a = self.action_at(t, i)
+            a = self.action_at(t, s)
             out.append((t, a))
+            s = int(self.states.after[s, int(self.verifying[t, a])])
             t += int(self.committed[t, a])
-            i += 1
         return out
 
 
-def request_tables(env: Any, request: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(committed [T, A] int64, cost [T, A], T_AR [T]) of `request`'s positions in a ReplayEnv's tables."""
+def request_tables(env: Any, request: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(committed [T, A] int64, cost [T, A], T_AR [T], verifying [T, A] int64: 1 where the action verifies more than
+    one token) of `request`'s positions in a ReplayEnv's tables."""
     tables = env.unwrapped.tables
     positions = env.unwrapped.trace.positions_of(request)
     p0, T = positions.start, len(positions)
-    return tables.committed_pa[p0 : p0 + T].astype(np.int64), tables.cost[p0 : p0 + T], tables.ar[p0 : p0 + T]
-
-
-def warmup_of(env: Any) -> np.ndarray:
-    """[R + 1] the env's cost model's warm-up surcharge of round indices 0..R−1, then 0 (engine.cost.warmup)."""
-    return env.unwrapped.cost_model.warmup_cost().padded()
-
-
-def round_states(env: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(w [R + 1]: `warmup_of`, the next round's index state [R + 1]: min(i + 1, R)) of the DPs' round index i."""
-    warm = warmup_of(env)
-    R = len(warm) - 1
-    return warm, np.minimum(np.arange(R + 1) + 1, R)
+    verifying = (tables.o_n[tables.outcome[p0 : p0 + T]] > 1).astype(np.int64)
+    return (tables.committed_pa[p0 : p0 + T].astype(np.int64), tables.cost[p0 : p0 + T], tables.ar[p0 : p0 + T],
+            verifying)  # fmt: skip
 
 
 def plan(env: Any, request: int, objective: str = "return") -> OraclePlan:
-    """The DP of the module docstring for `request` of a ReplayEnv's trace and grid, over (position, round index):
-    a round at index i also pays the warm-up surcharge w(i) (0 from R on), so the round index is part of the state."""
+    """The DP of the module docstring for `request` of a ReplayEnv's trace and grid, over (position, round state):
+    a round also pays the warm-up and switching surcharges of its state (RoundStates), so they are part of the state."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    committed, cost, ar = request_tables(env, request)
-    warm, nxt_i = round_states(env)
-    R = len(warm) - 1
+    committed, cost, ar, verifying = request_tables(env, request)
+    st = round_states(env)
     T = len(committed)
     reward = committed - cost / ar[:, None]
-    value = np.zeros((T + 1, R + 1))
-    action = np.zeros((T, R + 1), dtype=np.int64)
+    value = np.zeros((T + 1, st.size))
+    action = np.zeros((T, st.size), dtype=np.int64)
+    rows = np.arange(st.size)
     for t in range(T - 1, -1, -1):
         nxt = np.minimum(t + committed[t], T)  # [A]
-        ahead = value[nxt][:, nxt_i].T  # [R + 1, A]
+        v = verifying[t]
+        ahead = value[nxt[None, :], st.after[:, v]]  # [S, A]
         if objective == "return":
-            total = reward[t][None] - (warm / ar[t])[:, None] + ahead
+            total = reward[t][None] - st.surcharge[:, v] / ar[t] + ahead
             a = np.argmax(total, axis=1)
         else:
-            total = cost[t][None] + warm[:, None] + ahead
+            total = cost[t][None] + st.surcharge[:, v] + ahead
             a = np.argmin(total, axis=1)
-        value[t] = total[np.arange(R + 1), a]
+        value[t] = total[rows, a]
         action[t] = a
-    return OraclePlan(request=request, objective=objective, value=value, action=action, committed=committed)
+    return OraclePlan(request, objective, value, action, committed, verifying.astype(bool), st)
 
 
 def span_cost(env: Any, request: int, span: int) -> float:
     """Least total cost of `request` when the action may change only at the first round that starts in a new span
     of `span` tokens (positions [s·span, (s+1)·span)), chosen in hindsight: span 1 is the oracle's least cost
     (`plan(..., "cost")`), span >= T the best static action of this request (`static_returns`). A DP over the
-    decision positions and round indices (the warm-up surcharge, as `plan`); stateless costs only (the tables' costs;
-    under a stateful one they are its proxy).
+    decision positions and round states (the warm-up and switching surcharges, as `plan`); stateless costs only (the
+    tables' costs; under a stateful one they are its proxy).
 
-        best[t, i] = min_a  Σ_{rounds of a from t while in t's span} (T_spec + w(round index))
-                            + best[first round start past it, i + those rounds]"""
+        best[t, s] = min_a  Σ_{rounds of a from t while in t's span} (T_spec + surcharge(state, verifies))
+                            + best[first round start past it, the state after those rounds]"""
     if span < 1:
         raise ValueError(f"span must be >= 1 token, got {span}")
-    committed, cost, _ = request_tables(env, request)
-    warm = warmup_of(env)
-    R = len(warm) - 1
-    cum = np.concatenate([[0.0], np.cumsum(warm)])  # cum[k] = Σ_{j<k} w(j); w(j) = 0 for j >= R
+    committed, cost, _, verifying = request_tables(env, request)
+    st = round_states(env)
     T, A = committed.shape
-    # every (start t, action a) at once: the rounds of a from t while they start in t's span -> their cost, their
-    # count, the first round start past the span (each round commits >= 1 token: at most `span` steps)
+    # every (start t, action a, start state s) at once: the rounds of a from t while they start in t's span -> their
+    # cost with their surcharges, the state after them, the first round start past the span (each round commits
+    # >= 1 token: at most `span` steps)
     at = np.repeat(np.arange(T)[:, None], A, axis=1)  # [T, A]
     end = np.minimum((np.arange(T) // span + 1) * span, T)[:, None]  # [T, 1]
-    total = np.zeros((T, A))
-    rounds = np.zeros((T, A), dtype=np.int64)
+    total = np.zeros((st.size, T, A))
+    state = np.repeat(np.arange(st.size)[:, None, None], T, axis=1).repeat(A, axis=2)  # [S, T, A]
     live = np.ones((T, A), dtype=bool)
     while live.any():
         i, j = np.nonzero(live)
-        total[i, j] += cost[at[i, j], j]
-        rounds[i, j] += 1
+        v = verifying[at[i, j], j]
+        total[:, i, j] += cost[at[i, j], j][None] + st.surcharge[state[:, i, j], v[None]]
+        state[:, i, j] = st.after[state[:, i, j], v[None]]
         at[i, j] += committed[at[i, j], j]
         live &= at < end
-    idx = np.arange(R + 1)[:, None]  # [R + 1, 1] round index state at t
-    best = np.zeros((T + 1, R + 1))
+    best = np.zeros((T + 1, st.size))
     for t in range(T - 1, -1, -1):
-        after = np.minimum(idx + rounds[t][None], R)  # [R + 1, A]
-        surcharge = cum[after] - cum[idx]  # w of the rounds idx .. idx + m − 1
-        best[t] = np.min(total[t][None] + surcharge + best[np.minimum(at[t], T)[None], after], axis=1)
+        best[t] = np.min(total[:, t] + best[np.minimum(at[t], T)[None], state[:, t]], axis=1)
     return float(best[0, 0])
 
 
 def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
     """(episode return [A], total cost [A]) of every static grid action on `request` (vectorised), each round with
-    its warm-up surcharge by round index (engine.cost.warmup)."""
+    its warm-up and switching surcharges (RoundStates)."""
     tables = env.unwrapped.tables
     positions = env.unwrapped.trace.positions_of(request)
     p0, T = positions.start, len(positions)
     A = tables.cost.shape[1]
     if env.unwrapped.cost_model.stateful:
         return _stateful_static_returns(env.unwrapped, p0, T)
-    warm = warmup_of(env)
-    R = len(warm) - 1
+    st = round_states(env)
     t = np.zeros(A, dtype=np.int64)
-    i = np.zeros(A, dtype=np.int64)  # each action's round index
+    s = np.zeros(A, dtype=np.int64)  # each action's round state
     ret, total = np.zeros(A), np.zeros(A)
     cols = np.arange(A)
     while True:
@@ -175,11 +204,12 @@ def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
         p = p0 + t[live]
         c = cols[live]
         com = tables.committed_pa[p, c].astype(np.int64)
-        cost = tables.cost[p, c] + warm[np.minimum(i[live], R)]
+        v = (tables.o_n[tables.outcome[p, c]] > 1).astype(np.int64)
+        cost = tables.cost[p, c] + st.surcharge[s[live], v]
         ret[live] += com - cost / tables.ar[p]
         total[live] += cost
         t[live] += com
-        i[live] += 1
+        s[live] = st.after[s[live], v]
     return ret, total
 
 
@@ -193,10 +223,10 @@ def _stateful_static_returns(e: Any, p0: int, T: int) -> tuple[np.ndarray, np.nd
     A = tables.cost.shape[1]
     ret, total = np.zeros(A), np.zeros(A)
     masks: dict[int, np.ndarray] = {}
-    warm = model.warmup_cost()
+    st = round_states(e)
     for a in range(A):
         state = model.new_state()
-        t = i = 0
+        t = s = 0
         while t < T:
             p = p0 + t
             o = int(tables.outcome[p, a])
@@ -204,12 +234,13 @@ def _stateful_static_returns(e: Any, p0: int, T: int) -> tuple[np.ndarray, np.nd
             if mask is None:
                 mask = masks[o] = unpack_pairs(tables.o_pairs[o], L, E)
             verify = float(tables.o_verify[o]) + model.transfer(int(state.access(mask).sum()))
-            cost = float(tables.draft_cost[p, a]) + verify + float(tables.o_book[o]) + warm.at(i)
+            v = int(tables.o_n[o] > 1)
+            cost = float(tables.draft_cost[p, a]) + verify + float(tables.o_book[o]) + float(st.surcharge[s, v])
             com = int(tables.committed_pa[p, a])
             ret[a] += com - cost / tables.ar[p]
             total[a] += cost
             t += com
-            i += 1
+            s = int(st.after[s, v])
     return ret, total
 
 
@@ -269,7 +300,7 @@ class HindsightOracle:
         p = self._plans.get(e.request)
         if p is None:
             p = self._plans[e.request] = plan(e, e.request, self.objective)
-        return e.codec.unflat(p.action_at(e.position, len(e.rounds)))
+        return e.codec.unflat(p.action_at(e.position, p.states.of_episode(e)))
 
     def action(self, obs: Any = None) -> np.ndarray:
         return self.env.codec.encode(self._index())

@@ -50,7 +50,8 @@ requests (indices to draw from), target_digest / drafter_digest (checked against
 (above).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
-A cost with a warm-up (the fitted kind, engine.cost.warmup) charges each round by its index (`info["cost_warmup"]`).
+A cost with a warm-up (the fitted kind, engine.cost.warmup) charges each round by its index (`info["cost_warmup"]`),
+one with a switching surcharge (engine.cost.switching) by the kind of the round before it (`info["cost_switch"]`).
 Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
 device expert cache, empty at every reset, and adds each round's expert transfers at step time (`cost`,
 `cost_verify`); everything else is still a lookup, and the same actions give the same costs after any reset.
@@ -71,6 +72,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+from engine.cost.switching import NONE, kind_of
 from engine.drafting.acceptance import AcceptanceModel
 from engine.drafting.suffix import match_source
 from engine.runtime.action_grid import ActionGrid
@@ -282,6 +284,7 @@ class ReplayEnv(gym.Env):
         self.routing_shape = tuple(self.cost_model.routing_shape)
         self._stateful = bool(self.cost_model.stateful)
         self._warmup = self.cost_model.warmup_cost()
+        self._switch = self.cost_model.switch_cost()
         self._device_cache = None  # roofline-offload: the episode's expert cache (env.cost_offload)
 
     def _spec_fields(self, idx: tuple[int, int, int, int]) -> tuple[int, int, float, str]:
@@ -406,7 +409,8 @@ class ReplayEnv(gym.Env):
             verify = verify + transfer
             cost = draft + verify + book + self.choice_cost
         warm = self._warmup.at(len(self.rounds))  # the request's first rounds after its prefill (engine.cost.warmup)
-        cost += warm
+        switch = self._switch.at(kind_of(self.rounds[-1].verified_tokens) if self.rounds else NONE, n > 1)
+        cost += warm + switch
         overlap = None  # a one-token round's overlap is not observed (engine.runtime.round_record)
         if self._prev_pairs is not None and n > 1:
             overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)
@@ -459,6 +463,7 @@ class ReplayEnv(gym.Env):
             "cost_book": book,
             "cost_choice": self.choice_cost,
             "cost_warmup": warm,
+            "cost_switch": switch,
             "cost_ar": ar,
             "distinct_experts": sum(distinct),
             "utility": com * ar / cost,

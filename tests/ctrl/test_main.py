@@ -781,6 +781,43 @@ def test_aggrevate_q_rows_take_the_round_index_under_a_warm_up(trained, monkeypa
             assert np.all(q >= static_q(env, i, a) - 1e-9)
 
 
+def test_aggrevate_q_rows_take_the_previous_kind_under_a_switching_surcharge(trained, monkeypatch):
+    """Under a cost with a switching surcharge (engine.cost.switching) and a warm-up, the expert's Q rows are
+    [T, (R + 1)·3, A] (env.oracle.RoundStates): the oracle's best row at the first state is its plan's value, Q_s of a
+    static action there its episode return as the env prices it, and the rows a collected state reads are its own."""
+    from ctrl.aggrevate import oracle_q, static_q
+    from engine.cost.switching import SwitchCost
+    from engine.cost.warmup import WarmupCost
+    from env.costs import FittedCostModel
+    from env.oracle import plan, round_states, static_returns
+    from env.replay import ReplayEnv
+
+    monkeypatch.setattr(FittedCostModel, "warmup_cost", lambda self: WarmupCost((4e-4, 2e-4)))
+    monkeypatch.setattr(FittedCostModel, "switch_cost", lambda self: SwitchCost(3e-4, 2e-4))
+    conf, trace, grid, _, acceptance = trained
+    env = ReplayEnv(trace, grid=grid, cost={"kind": "fitted"}, cache=False, acceptance=acceptance)
+    states = round_states(env)
+    assert states.size == 3 * 3 and states.kinds == 3
+    for i in range(min(3, trace.num_requests)):
+        q = oracle_q(env, i)
+        assert q.shape == (len(trace.positions_of(i)), 9, env.codec.num_actions)
+        assert q[0, 0].max() == pytest.approx(plan(env, i, "return").best)
+        ret, _ = static_returns(env, i)
+        a = int(np.argmax(ret))
+        qs = static_q(env, i, a)
+        assert qs[0, 0, a] == pytest.approx(ret[a]) and np.all(q >= qs - 1e-9)
+        env.reset(options={"request": i})  # stepping a_s: Q_s at each visited state is the return still to come
+        rewards, visited = [], []
+        while True:
+            visited.append((env.position, states.of_episode(env)))
+            _, r, term, trunc, _ = env.step(env.codec.encode(env.codec.unflat(a)))
+            rewards.append(r)
+            if term or trunc:
+                break
+        togo = np.cumsum(rewards[::-1])[::-1]
+        assert [qs[t, s, a] for t, s in visited] == pytest.approx(togo.tolist(), abs=1e-9)
+
+
 def test_aggrevate_entropy_term_keeps_the_optimum_interior():
     """The expected regret is linear in π, so plain descent drives the logits apart without bound (saturation);
     with −α·H(π) they converge to π ∝ exp(−regret/α), the least-regret action first. Negative α is refused."""

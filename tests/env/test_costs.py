@@ -180,3 +180,39 @@ def test_the_warm_up_is_fitted_on_whole_live_rounds_and_kept_out_of_the_steady_f
     assert steady.sum() == 3 * 4 * 4 and steady.dtype == bool
     fit, steady = warmup_and_steady(arrays(STEADY_FROM))
     assert fit.seconds == () and steady.all()
+
+
+def test_the_switching_surcharge_is_fitted_on_whole_live_rounds_and_kept_out_of_the_other_fits():
+    """env.costs.switch_and_switched / live_fit_rounds: a run that alternates between single-token rounds and
+    verifications (a lookup action's cuts and trees) fits both directions from whole rounds, whichever part the
+    surcharge lands in, and the rounds that switched leave the other live fits; without switches nothing is left out."""
+    from engine.cost.switching import SwitchCost
+    from engine.cost.warmup import STEADY_FROM
+    from env.costs import live_fit_rounds, switch_and_switched, warmup_and_steady
+    from env.host_calibration import LIVE_ARRAYS
+
+    def arrays(switching: bool) -> dict[str, np.ndarray]:
+        rows = []
+        for run, plain, pattern in ((0, True, [1]), (1, False, [1]), (2, False, [1, 1, 4, 4, 4] if switching else [4])):
+            for _ in range(4):  # requests
+                for i in range(STEADY_FROM + 24):
+                    n, prev = pattern[i % len(pattern)], pattern[(i - 1) % len(pattern)] if i else None
+                    extra = 0.0 if prev is None or (prev > 1) == (n > 1) else (3e-5 if n > 1 else 5e-5)
+                    rows.append({"run": run, "plain": plain, "verified": n, "round": i, "forward_seconds": 2e-4 * n,
+                                 "draft_seconds" if n > 1 else "host_seconds": 1e-4 + extra})  # fmt: skip
+        out = {k: np.zeros(len(rows), dtype=d) for k, d in LIVE_ARRAYS.items()}
+        for j, r in enumerate(rows):
+            for k, v in r.items():
+                out[f"cal_live_{k}"][j] = v
+        return out
+
+    a = arrays(True)
+    fit, switched = switch_and_switched(a)
+    assert fit.to_verify == pytest.approx(3e-5, rel=1e-4) and fit.to_single == pytest.approx(5e-5, rel=1e-4)
+    assert switched.sum() == 4 * sum(i % 5 in (0, 2) for i in range(1, STEADY_FROM + 24))  # run 2's 1 1 4 4 4 ...
+    assert np.array_equal(live_fit_rounds(a), warmup_and_steady(a)[1] & ~switched)
+    assert (a["cal_live_run"][switched] == 2).all()
+    calm = arrays(False)
+    fit, switched = switch_and_switched(calm)
+    assert fit == SwitchCost() and not switched.any()
+    assert np.array_equal(live_fit_rounds(calm), warmup_and_steady(calm)[1])

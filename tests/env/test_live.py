@@ -271,19 +271,19 @@ def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace)
     calibration (Session.probe after the previous round's forward), and the fitted cost prices it from those samples;
     a drafter without a probe (the EAGLE head) has the context probe timed so (engine.runtime.context_probe)."""
     from engine.cost.host_cost import fit_probe_cost
-    from env.costs import FittedCostModel, warmup_and_steady
+    from env.costs import FittedCostModel, live_fit_rounds
 
     a = ngram_trace.arrays
     probed = a["cal_live_probe_seconds"] > 0
     k0 = ~a["cal_live_plain"] & (a["cal_live_draft_steps"] == 0) & (a["cal_live_verified"] == 1)
     assert probed.sum() >= 3 and not (probed & ~k0).any()  # K = 0 rounds only (the last one of a request: no probe)
     cm = FittedCostModel.from_trace(ngram_trace)
-    probed &= warmup_and_steady(a)[1]  # the steady rounds (engine.cost.warmup): the first ones carry the warm-up
+    probed &= live_fit_rounds(a)  # steady rounds that kept their kind: the others carry the surcharges
     assert cm.probe_fit == fit_probe_cost(a["cal_live_context"][probed], a["cal_live_probe_seconds"][probed])
     g = greedy_trace.arrays
     timed = g["cal_live_probe_seconds"] > 0
     assert timed.sum() >= 3 and not (timed & ~(~g["cal_live_plain"] & (g["cal_live_draft_steps"] == 0))).any()
-    timed &= warmup_and_steady(g)[1]
+    timed &= live_fit_rounds(g)
     assert FittedCostModel.from_trace(greedy_trace).probe_fit == fit_probe_cost(
         g["cal_live_context"][timed], g["cal_live_probe_seconds"][timed])  # fmt: skip
 
@@ -294,14 +294,14 @@ def test_the_choice_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace
     fitted cost prices it at their mean, and the roofline at CHOICE_HOST_SECONDS. Both drafters time it (the EAGLE
     head's policies choose too)."""
     from env.cost_model import CHOICE_HOST_SECONDS
-    from env.costs import FittedCostModel, warmup_and_steady
+    from env.costs import FittedCostModel, live_fit_rounds
 
     for trace in (ngram_trace, greedy_trace):
         a = trace.arrays
         chose = a["cal_live_policy_seconds"] > 0
         k0 = ~a["cal_live_plain"] & (a["cal_live_draft_steps"] == 0) & (a["cal_live_verified"] == 1)
         assert chose.sum() >= 3 and not (chose & ~k0).any()  # the K = 0 action's rounds (K > 0 ends with one too)
-        chose &= warmup_and_steady(a)[1]  # its steady rounds
+        chose &= live_fit_rounds(a)  # its steady rounds that kept their kind
         cm = FittedCostModel.from_trace(trace)
         assert cm.choice() == pytest.approx(float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()))
         assert 0 < cm.choice() < 1e-3
@@ -365,3 +365,30 @@ def test_replay_equals_live_under_a_warm_up_surcharge(greedy_trace, live_factory
     for i in range(3):
         info = [e.step(np.array([0, 0, 0, 0]))[4] for e in (replay, live)]
         assert info[0]["cost_warmup"] == info[1]["cost_warmup"] == warm[i]
+
+
+def test_replay_equals_live_under_a_switching_surcharge(greedy_trace, live_factory, monkeypatch):
+    """The fitted cost's switching surcharge (engine.cost.switching): live prices each round by the kind of the
+    request's round before it as replay does, so a static policy and one alternating K = 0 with trees get the same
+    rewards in both, and the switching rounds carry the surcharge (`info["cost_switch"]`)."""
+    from engine.cost.switching import SwitchCost
+    from env.costs import FittedCostModel
+
+    switch = SwitchCost(to_verify=3e-4, to_single=2e-4)
+    monkeypatch.setattr(FittedCostModel, "switch_cost", lambda self: switch)
+    cost = {"kind": "fitted"}
+    replay = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=cost, cache=False)
+    live = live_factory(cost=cost, fit_trace=greedy_trace)
+    for name, actions in (("K4 W2", [np.array([3, 1, 0, 0])]),
+                          ("K0 / K8 W3", [np.array([0, 0, 0, 0]), np.array([4, 2, 0, 1])])):  # fmt: skip
+        _same_episodes(replay, live, greedy_trace, name, actions, tol=(1e-4, 1e-6, 1e-5))
+    replay.reset(options={"request": 0})
+    live.reset(options={"request": 0})
+    seen = []
+    for a in ([0, 0, 0, 0], [4, 2, 0, 1], [0, 0, 0, 0]):
+        info = [e.step(np.array(a))[4] for e in (replay, live)]
+        assert info[0]["cost_switch"] == info[1]["cost_switch"] and info[0]["verified"] == info[1]["verified"]
+        seen.append((info[0]["verified"], info[0]["cost_switch"]))
+    assert seen[0][1] == 0.0  # the request's first round: no previous kind
+    if seen[1][0] > 1:  # a tree after a K = 0 round, then K = 0 after it
+        assert seen[1][1] == switch.to_verify and seen[2][1] == switch.to_single

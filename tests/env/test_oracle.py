@@ -132,3 +132,67 @@ def test_the_warm_up_is_priced_by_round_index_and_the_dps_stay_exact(greedy_trac
                 i += 1
             brute = min(brute, total)
         assert span_cost(e, req, span) == pytest.approx(brute, rel=1e-12)
+
+
+SWITCH = (3e-4, 2e-4)  # seconds: a verification after a single-token round, a single-token round after a verification
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["switching", "switching+warm-up"])
+def test_the_switching_surcharge_is_priced_by_the_previous_round_and_the_dps_stay_exact(greedy_trace, monkeypatch,
+                                                                                        warm):  # fmt: skip
+    """Each round pays the switching surcharge of its kind after the previous round's (none for the first), alone and
+    with a warm-up surcharge; the oracle's DP over (position, round index, previous kind) is still a bound that only
+    following it meets, static_returns equals stepping each action, and span_cost equals a brute force that prices
+    both surcharges round by round."""
+    from engine.cost.switching import SwitchCost
+    from engine.cost.warmup import WarmupCost
+    from env.costs import FittedCostModel
+
+    warmup = WARMUP if warm else ()  # none: whatever the test trace's own timings fit
+    monkeypatch.setattr(FittedCostModel, "switch_cost", lambda self: SwitchCost(*SWITCH))
+    monkeypatch.setattr(FittedCostModel, "warmup_cost", lambda self: WarmupCost(warmup))
+    e = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost={"kind": "fitted"}, cache=False)
+    rng = np.random.default_rng(2)
+    A = e.tables.cost.shape[1]
+    tables = e.tables
+
+    def surcharge(i: int, prev: bool | None, verifies: bool) -> float:
+        s = warmup[i] if i < len(warmup) else 0.0
+        if prev is not None and prev != verifies:
+            s += SWITCH[0] if verifies else SWITCH[1]
+        return s
+
+    switched = 0
+    for req in range(greedy_trace.num_requests):
+        pos = greedy_trace.positions_of(req)
+        T = len(pos)
+        _check_the_oracle_bounds(e, req, rng, 10)
+        rets, costs = static_returns(e, req)
+        for a in range(A):
+            total, infos = _episode(e, req, lambda obs, a=a: e.codec.encode(e.codec.unflat(a)))
+            kinds = [i["verified"] > 1 for i in infos]
+            want = [surcharge(i, kinds[i - 1] if i else None, v) - (warmup[i] if i < len(warmup) else 0.0)
+                    for i, v in enumerate(kinds)]  # fmt: skip
+            assert [i["cost_switch"] for i in infos] == pytest.approx(want, abs=1e-15)
+            switched += sum(w > 0 for w in want)
+            assert total == pytest.approx(rets[a], abs=1e-9)
+            assert sum(i["cost"] for i in infos) == pytest.approx(costs[a], rel=1e-12)
+        for _ in range(5):  # random policies switch often
+            _, infos = _episode(e, req, lambda obs: rng.integers(e.codec.nvec))
+            switched += sum(i["cost_switch"] > 0 for i in infos)
+        assert span_cost(e, req, 1) == pytest.approx(plan(e, req, "cost").best, rel=1e-12)
+        assert span_cost(e, req, T) == pytest.approx(costs.min(), rel=1e-12)
+        span = (T + 1) // 2
+        brute = np.inf
+        for sched in itertools.product(range(A), repeat=2):
+            t, total, i, prev = 0, 0.0, 0, None
+            while t < T:
+                a = sched[t // span]
+                p = pos.start + t
+                verifies = bool(tables.o_n[tables.outcome[p, a]] > 1)
+                total += float(tables.cost[p, a]) + surcharge(i, prev, verifies)
+                t += int(tables.committed_pa[p, a])
+                i, prev = i + 1, verifies
+            brute = min(brute, total)
+        assert span_cost(e, req, span) == pytest.approx(brute, rel=1e-12)
+    assert switched > 0  # the surcharge was exercised

@@ -14,7 +14,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 import env  # noqa: F401  (registers the ids)
 from engine.runtime.observation import OBS_DIM
 from engine.spec.config import SpecConfig
-from env.costs import warmup_and_steady
+from env.costs import live_fit_rounds
 from env.replay import ReplayEnv
 
 ROOFLINE_TARGET = {"kind": "roofline", "model_spec": "target", "hardware": "h100"}
@@ -169,7 +169,7 @@ def test_fitted_cost_and_synthetic_routing(greedy_trace):
     # T_AR's forward and a K = 0 round's are one fit to both engines' timed single-token forwards (the same code),
     # its mean the timed mean; the engines differ in their host work
     assert cm.plain_step is cm.target.decode
-    one = (a["cal_live_draft_steps"] == 0) & warmup_and_steady(a)[1]  # steady rounds (engine.cost.warmup)
+    one = (a["cal_live_draft_steps"] == 0) & live_fit_rounds(a)  # steady rounds that kept their kind (the surcharges)
     fitted_mean = np.mean([cm.plain_step.seconds(1, L * r, L, int(c)) for c in a["cal_live_context"][one]])
     assert fitted_mean == pytest.approx(a["cal_live_forward_seconds"][one].mean(), rel=1e-6)
     assert cm.ar(10) - cm.verify(1, L * r, 10) == pytest.approx(cm.book_ar())
