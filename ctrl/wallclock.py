@@ -23,9 +23,10 @@ instrumented engine). Prints the table and writes `wallclock.json` into the run 
 Steady state (`wallclock.steady_from`, default 16 tokens): the same speed-ups over the tokens from that position on
 only. A round's time, on the clock or in replay, counts pro rata to its committed tokens at or past it
 (`steady_share`). On a CPU the first rounds after a prefill run up to three times slower, for every policy; the
-measured cost prices that as a warm-up surcharge by round index (engine.cost.warmup, since trace format 10). What
-replay still leaves out shows in both tables alike: a verification right after a round that verified nothing, and a
-single-token round right after a verification, cost more than the same rounds in a run of their own kind.
+measured cost prices that as a warm-up surcharge by round index (engine.cost.warmup, since trace format 10), and a
+round of the other kind than the one before it (a verification right after a round that verified nothing, or the
+reverse) as a switching surcharge (engine.cost.switching). What replay still leaves out (the session's own work
+between rounds, outside RoundStats) shows in both tables alike.
 """
 
 from __future__ import annotations

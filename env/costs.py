@@ -13,7 +13,10 @@ Cost models (`make_cost_model`, `CostConf.kind`):
   T_book (engine.cost.host_cost). Verification (n >= 2) is fitted to the recorder's timed forwards; the
   single-token forward (n = 1: a K = 0 round's and T_AR's, one fit to both engines' rounds, robust to timing
   spikes: engine.cost.fitted.fit_cost_model_robust), the drafting and the host work to the timed live rounds at
-  batch 1 (env.host_calibration), which run the engine's own code paths.
+  batch 1 (env.host_calibration), which run the engine's own code paths. Two surcharges depend on the rounds
+  before: the warm-up of a request's first rounds after its prefill (engine.cost.warmup) and switching, a round of
+  the other kind than the one before it (engine.cost.switching); the other live fits take the steady rounds that
+  kept their kind (`live_fit_rounds`).
 - "roofline-offload" (env.cost_offload): the roofline with the routed experts in host memory and a per-layer
   device cache (`offload_cache` = its share of the experts, LRU or LFU); every missed (layer, expert) pair of a
   verification is moved over the profile's PCIe link. Stateful (`stateful = True`): the cache lives for an

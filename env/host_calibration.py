@@ -20,7 +20,10 @@ sample of the probe's price (the recorder's own timing runs warm, right after it
 RoundStats.policy_seconds are the samples of what a learned policy pays per round (cal_live_policy_seconds).
 Each round also records its run (cal_live_run: 0 the target-only engine, 1 + the index of its action in `host_actions`)
 and its index in its request (cal_live_round): the first rounds after a prefill are slower whatever they run, which the
-fitted cost prices as a warm-up surcharge by round index (engine.cost.warmup) and leaves out of the other fits.
+fitted cost prices as a warm-up surcharge by round index (engine.cost.warmup) and leaves out of the other fits; and
+the rounds of one run of one request are consecutive, so each round's predecessor is known: a round of the other kind
+than the one before it (a tree after a draft cut to its root, or the reverse) costs more, which the fitted cost prices
+as a switching surcharge (engine.cost.switching) and also leaves out of the other fits.
 """
 
 from __future__ import annotations
