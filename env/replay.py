@@ -410,7 +410,7 @@ class ReplayEnv(gym.Env):
             cost = draft + verify + book + self.choice_cost
         warm = self._warmup.at(len(self.rounds))  # the request's first rounds after its prefill (engine.cost.warmup)
         switch = self._switch.at(kind_of(self.rounds[-1].verified_tokens) if self.rounds else NONE, n > 1)
-        cost += warm + switch
+        cost = cost + warm + switch  # in RoundCost.total's order: replay == live to the bit
         overlap = None  # a one-token round's overlap is not observed (engine.runtime.round_record)
         if self._prev_pairs is not None and n > 1:
             overlap = (pairs & self._prev_pairs).bit_count() / max(popcount, 1)

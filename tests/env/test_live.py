@@ -345,36 +345,17 @@ def test_choice_true_adds_the_choice_to_every_round_in_replay_and_live(ngram_mod
         live.close()
 
 
-def test_replay_equals_live_under_a_warm_up_surcharge(greedy_trace, live_factory, monkeypatch):
-    """The fitted cost's warm-up surcharge (engine.cost.warmup): live prices each round by its index in the request
-    and T_AR by its position as replay does, so a static policy and one alternating K = 0 with trees get the same
-    rewards in both, and the first rounds carry the surcharge (`info["cost_warmup"]`)."""
+def test_replay_equals_live_under_the_warm_up_and_switching_surcharges(greedy_trace, live_factory, monkeypatch):
+    """The fitted cost's warm-up surcharge (engine.cost.warmup) and switching surcharge (engine.cost.switching): live
+    prices each round by its index in the request, by the kind of the request's round before it, and T_AR by its
+    position as replay does, so a static policy and one alternating K = 0 with trees get the same rewards in both, and
+    the rounds carry the surcharges (`info["cost_warmup"]`, `info["cost_switch"]`)."""
+    from engine.cost.switching import SwitchCost
     from engine.cost.warmup import WarmupCost
     from env.costs import FittedCostModel
 
-    warm = (4e-4, 2e-4, 1e-4)
+    warm, switch = (4e-4, 2e-4, 1e-4), SwitchCost(to_verify=3e-4, to_single=2e-4)
     monkeypatch.setattr(FittedCostModel, "warmup_cost", lambda self: WarmupCost(warm))
-    cost = {"kind": "fitted"}
-    replay = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=cost, cache=False)
-    live = live_factory(cost=cost, fit_trace=greedy_trace)
-    for name, actions in (("K4 W2", [np.array([3, 1, 0, 0])]),
-                          ("K0 / K8 W3", [np.array([0, 0, 0, 0]), np.array([4, 2, 0, 1])])):  # fmt: skip
-        _same_episodes(replay, live, greedy_trace, name, actions, tol=(1e-4, 1e-6, 1e-5))
-    replay.reset(options={"request": 0})
-    live.reset(options={"request": 0})
-    for i in range(3):
-        info = [e.step(np.array([0, 0, 0, 0]))[4] for e in (replay, live)]
-        assert info[0]["cost_warmup"] == info[1]["cost_warmup"] == warm[i]
-
-
-def test_replay_equals_live_under_a_switching_surcharge(greedy_trace, live_factory, monkeypatch):
-    """The fitted cost's switching surcharge (engine.cost.switching): live prices each round by the kind of the
-    request's round before it as replay does, so a static policy and one alternating K = 0 with trees get the same
-    rewards in both, and the switching rounds carry the surcharge (`info["cost_switch"]`)."""
-    from engine.cost.switching import SwitchCost
-    from env.costs import FittedCostModel
-
-    switch = SwitchCost(to_verify=3e-4, to_single=2e-4)
     monkeypatch.setattr(FittedCostModel, "switch_cost", lambda self: switch)
     cost = {"kind": "fitted"}
     replay = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=cost, cache=False)
@@ -385,8 +366,9 @@ def test_replay_equals_live_under_a_switching_surcharge(greedy_trace, live_facto
     replay.reset(options={"request": 0})
     live.reset(options={"request": 0})
     seen = []
-    for a in ([0, 0, 0, 0], [4, 2, 0, 1], [0, 0, 0, 0]):
+    for i, a in enumerate(([0, 0, 0, 0], [4, 2, 0, 1], [0, 0, 0, 0])):
         info = [e.step(np.array(a))[4] for e in (replay, live)]
+        assert info[0]["cost_warmup"] == info[1]["cost_warmup"] == warm[i]
         assert info[0]["cost_switch"] == info[1]["cost_switch"] and info[0]["verified"] == info[1]["verified"]
         seen.append((info[0]["verified"], info[0]["cost_switch"]))
     assert seen[0][1] == 0.0  # the request's first round: no previous kind
