@@ -7,25 +7,21 @@
     obs, reward, terminated, truncated, info = e.step(e.action_space.sample())
 
 One step = one round (draft -> verify -> commit) of one request; an episode = one request of the trace
-(drawn with the env's seed, or `reset(options={"request": i})`) until EOS (terminated) or its token
-budget (truncated). Greedy and drafter-invariant seeded sampling traces replay exactly: every action's
-outcome at every position was precomputed (env.tables), so a step is a lookup plus the observation.
+(drawn with the env's seed, or `reset(options={"request": i})`) until EOS (terminated) or its token budget (truncated).
+Greedy and drafter-invariant seeded sampling traces replay exactly: every action's outcome at every position was
+precomputed (env.tables), so a step is a lookup plus the observation.
 
-Observation (Box [0, 1]^OBS_DIM, float32): `engine.runtime.observation.observe` over the RoundStats this
-env builds, the function the live env and a policy deployed in the engine call (table in that module):
+Observation (Box [0, 1]^OBS_DIM, float32): `engine.runtime.observation.observe` over the RoundStats this env builds,
+the function the live env and a policy deployed in the engine call (its fields in that module: acceptance by depth,
+draft confidence, expert footprint and reuse, rank imbalance, utility, position, batch size, ...).
 
-    acceptance-by-depth EMA a_1..a_8, last accepted length, committed EMA, draft confidence per depth of
-    the last round (raw, calibrated), footprint U_l/(n·r), new (layer, expert) pairs per node, overlap
-    with the previous round, rank imbalance, cross-node ratio, last / EMA utility, T_spec/T_AR, position
-    in the request, batch size, last built depth, first-round flag
+Action: env.actions.ActionGrid — MultiDiscrete [K 0..Kmax, W index, λ index, rule index] or its Box variant
+(`action_kind="box"`). Out-of-space actions raise ValueError.
 
-Action: env.actions.ActionGrid — MultiDiscrete [K 0..Kmax, W index, λ index, rule index] or its Box
-variant (`action_kind="box"`). Out-of-space actions raise ValueError.
-
-Reward: R_t − T_t / T_AR,t (tokens gained over plain decoding in the same time; deterministic). Its sum
-over an episode of N tokens is N − Σ T_t/T_AR,t, so K = 0 everywhere scores exactly 0. `info` carries
-the raw parts: committed, accepted, verified, drafted, cost (T_spec), cost_draft, cost_verify, cost_book,
-cost_ar, distinct_experts (Σ_l U_l), utility, position, request.
+Reward: R_t − T_t / T_AR,t (tokens gained over plain decoding in the same time; deterministic). Its sum over an episode
+of N tokens is N − Σ T_t/T_AR,t, so K = 0 everywhere scores exactly 0. `info` carries the raw parts: committed,
+accepted, verified, drafted, cost (T_spec), cost_draft, cost_verify, cost_book, cost_ar, distinct_experts (Σ_l U_l),
+utility, position, request.
 
 Probe (`probe=True`): the observation's `confidence_now` and `match_now` are this round's probe values, as a
 policy deployed with `probe` sees them (Session.probe). With a drafter that has a probe (the prompt lookup) the
@@ -42,19 +38,18 @@ in `cost` and `info["cost_choice"]`: what the engine's session spends choosing (
 round waits. The learned policies' envs price it; rules and static actions, which cost next to nothing to choose,
 and the hindsight oracle (a bound) do not.
 
-Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid
-or its fields; widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its
-fields), routing ("auto" | "recorded" | "synthetic"), calibration (confidence -> P(accepted)),
-acceptance (engine.drafting.acceptance.AcceptanceModel of the grid's "calibrated" verification rule),
-requests (indices to draw from), target_digest / drafter_digest (checked against the trace), probe and choice
-(above).
+Constructor (all optional): trace (path / Trace; default: env.default.default_trace()), grid (ActionGrid or its fields;
+widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its fields), routing ("auto" |
+"recorded" | "synthetic"), calibration (confidence -> P(accepted)), acceptance
+(engine.drafting.acceptance.AcceptanceModel of the grid's "calibrated" verification rule), requests (indices to draw
+from), target_digest / drafter_digest (checked against the trace), probe and choice (above).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
 A cost with a warm-up (the fitted kind, engine.cost.warmup) charges each round by its index (`info["cost_warmup"]`),
 one with a switching surcharge (engine.cost.switching) by the kind of the round before it (`info["cost_switch"]`).
-Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's
-device expert cache, empty at every reset, and adds each round's expert transfers at step time (`cost`,
-`cost_verify`); everything else is still a lookup, and the same actions give the same costs after any reset.
+Under a stateful cost model (cost kind "roofline-offload", env.cost_offload) the env keeps the episode's device expert
+cache, empty at every reset, and adds each round's expert transfers at step time (`cost`, `cost_verify`); everything
+else is still a lookup, and the same actions give the same costs after any reset.
 """
 
 from __future__ import annotations
