@@ -10,6 +10,7 @@ same cost source at that position), `distinct_experts` ([L] U_l), `attempted_by_
     tau                           mean committed per round
     p50/p95/p99_tpot              per-request T_spec per committed token, percentiles over requests
     frac_requests_slowed          share of requests whose own speed-up is < 1 (slower than plain decoding)
+    request_speedups              each request's own speed-up (`request_speedup`), in the order given
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Summary:
     rounds: int
     committed: int
     acceptance_by_depth: list[float]
+    request_speedups: list[float]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,4 +81,5 @@ def summarize(requests: Sequence[Sequence[Any]]) -> Summary:
         rounds=len(rounds),
         committed=committed,
         acceptance_by_depth=[float(o / t) if t else float("nan") for o, t in zip(ok, tried)],
+        request_speedups=[float(x) for x in speedups],
     )

@@ -25,7 +25,7 @@ import numpy as np
 
 from ctrl.baselines import POLICY_FACTORIES, profile
 from ctrl.config import CostSpecConf, MainConf
-from ctrl.metrics import request_speedup, summarize
+from ctrl.metrics import summarize
 from ctrl.rollout import (
     SPANS,
     ablation,
@@ -254,7 +254,7 @@ def per_policy_plot_data(requests: list[list[Any]]) -> dict[str, Any]:
     s = summarize(requests)
     return {
         "acceptance_by_depth": [0.0 if math.isnan(a) else a for a in s.acceptance_by_depth],
-        "request_speedups": [request_speedup(q) for q in requests],
+        "request_speedups": s.request_speedups,
         "actions": [(r.depth, r.width) for r in requests[0]],
         "footprint": [(r.verified_tokens, float(np.mean(r.distinct_experts))) for q in requests for r in q
                       if len(r.distinct_experts)],
@@ -430,6 +430,7 @@ def evaluate(
             mean = {key: float(np.mean([r[key] for r in seed_rows])) for key in numeric}
             mean.update(policy=learner, workload=name, backend="replay", cost_model=cost.name, exact=True,
                         trained_under=trained, seeds=len(seed_rows),
+                        request_speedups=np.mean([r["request_speedups"] for r in seed_rows], axis=0).tolist(),
                         seed_min=min(r["committed_per_cost"] for r in seed_rows),
                         seed_max=max(r["committed_per_cost"] for r in seed_rows))  # fmt: skip
             rows.append(mean)

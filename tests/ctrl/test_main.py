@@ -50,6 +50,10 @@ def test_main_job_smoke_writes_results_report_and_plots(smoke_run):
     assert {r["policy"] for r in rows} >= FAMILIES
     assert all(set(r) >= ROW_FIELDS for r in rows)
     assert {r["cost_model"] for r in rows} == {"roofline-h200-qwen3_30b_a3b", "measured-cpu"}
+    for r in rows:  # each request's own speed-up, from which the share slowed follows (a seeds' mean: per request)
+        assert len(r["request_speedups"]) == r["requests"] and all(x > 0 for x in r["request_speedups"])
+        if "seeds" not in r:
+            assert r["frac_requests_slowed"] == pytest.approx(np.mean([x < 1 - 1e-9 for x in r["request_speedups"]]))
     live = [r for r in rows if r["backend"] == "live"]
     assert live and all(r["committed_per_cost"] == r["replay_committed_per_cost"] for r in live)  # live == replay
     for r in [r for r in rows if r["backend"] == "replay"]:  # the oracle bounds every policy on its trace and cost
