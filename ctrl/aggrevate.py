@@ -139,9 +139,9 @@ def collect(envs: Sequence[Any], requests: Sequence[Sequence[int]], policy: Any,
             expert: Sequence[Expert]) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:  # fmt: skip
     """States visited by the β-mixture of the expert and the policy, with the expert's Q rows and the flat
     actions taken."""
-    obs_out, q_out, act_out = [], [], []
     from env.oracle import round_states
 
+    obs_out, q_out, act_out = [], [], []
     for env, reqs, (a_s, qs) in zip(envs, requests, expert):
         e = env.unwrapped
         states = round_states(e)

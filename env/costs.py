@@ -211,14 +211,10 @@ class FittedCostModel(CostModel):
         shape = (trace.num_moe_layers, trace.num_experts, trace.top_r)
         target = fit_two_regimes(samples)
         plain, n, steps = a["cal_live_plain"], a["cal_live_verified"], a["cal_live_draft_steps"]
-        # the first rounds after a prefill are slower whatever they run: a surcharge by round index, fitted to whole
-        # rounds (engine.cost.warmup), and every other live fit to the steady rounds only (all of them where the
-        # requests are too short to have steady rounds of both engines)
-        warmup, steady = warmup_and_steady(a)
-        # a round of the other kind than the one before it costs more (engine.cost.switching): a surcharge fitted to
-        # the steady rounds that switched, which the other live fits then leave out
-        switch, switched = switch_and_switched(a)
-        steady = steady & ~switched
+        # the first rounds after a prefill are slower whatever they run, and a round of the other kind than the one
+        # before it costs more: two surcharges fitted to whole rounds (engine.cost.warmup, engine.cost.switching),
+        # every other live fit to the steady rounds that kept their kind (`live_surcharges`)
+        warmup, switch, steady = live_surcharges(a)
         drafted = steps > 0
         cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
@@ -278,10 +274,17 @@ def live_seconds(arrays: dict[str, np.ndarray]) -> np.ndarray:
                for k in ("draft", "forward", "host", "probe", "policy"))  # fmt: skip
 
 
+def live_surcharges(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, SwitchCost, np.ndarray]:
+    """(the warm-up surcharge, the switching surcharge, the timed live rounds [H] the other live fits use: the steady
+    ones, `warmup_and_steady`, that did not switch kind, `switch_and_switched`) of a trace's timed live rounds."""
+    warmup, steady = warmup_and_steady(arrays)
+    switch, switched = switch_and_switched(arrays)
+    return warmup, switch, steady & ~switched
+
+
 def live_fit_rounds(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """[H] the timed live rounds the fits other than the surcharges use: the steady ones (`warmup_and_steady`) that
-    did not switch kind (`switch_and_switched`)."""
-    return warmup_and_steady(arrays)[1] & ~switch_and_switched(arrays)[1]
+    """[H] the timed live rounds the fits other than the surcharges use (`live_surcharges`)."""
+    return live_surcharges(arrays)[2]
 
 
 def switch_and_switched(arrays: dict[str, np.ndarray]) -> tuple[SwitchCost, np.ndarray]:
