@@ -269,6 +269,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     seed under `out_dir/<cost name>/<learner>/seed<k>`; the held-out evaluation callback (conf.algo.eval_every)
     replays every workload's held-out requests, logging only."""
     from ctrl.agent import action_kind, train_seeds
+    from env.costs import drafter_probes
 
     grid = grid_of(conf)
     names = sorted(traces)
@@ -278,6 +279,8 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     algo = replace(conf.algo, name=learner or conf.algo.name)
     variants = probes(conf, traces)
     home = out_dir / cost.name / algo.name
+    # the drafter's own probe (the lookup's: nothing probed, nothing to draft), else the context probe
+    probe_source = "drafter" if all(drafter_probes(t) for t in traces.values()) else "context"
 
     def run(probe: bool, folder: Path) -> list[Path]:
         def make_env(rank: int):
@@ -293,7 +296,8 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
         card = {"card": {"cost_model": cost.name, "workloads": names,
                          "trace_digests": [traces[n].digest for n in names], "train_requests": conf.workloads.train,
                          "calibration": calibration.to_dict(), "acceptance": acceptance.to_dict(),
-                         "probe": [grid.max_depth, max(grid.widths)] if probe else None}}  # fmt: skip
+                         "probe": [grid.max_depth, max(grid.widths)] if probe else None,
+                         "probe_source": probe_source if probe else None}}  # fmt: skip
         config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: resolved config
         return train_seeds(make_env, grid, algo, list(conf.seeds), folder, conf.wandb, config, progress,
                            make_eval_envs).policy_paths  # fmt: skip

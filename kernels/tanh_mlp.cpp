@@ -299,11 +299,24 @@ class TanhMLP {
     return index_tuple(idx);
   }
 
+  // Plain decoding's action indices [dims], answered without the observation or the actor when the probe proposes
+  // nothing (`unproposed`): a policy observing its drafter's own probe, which then has nothing to draft. Empty: off.
+  void set_plain(std::vector<int64_t> idx) {
+    if (!idx.empty() && static_cast<int64_t>(idx.size()) != dims_)
+      throw std::invalid_argument("TanhMLP: set_plain needs one index per action dimension (" +
+                                  std::to_string(dims_) + ") or none");
+    for (int64_t i : idx)
+      if (i < 0 || i >= width_) throw std::invalid_argument("TanhMLP: set_plain index out of range");
+    plain_ = std::move(idx);
+  }
+  const int64_t* plain() const { return plain_.empty() ? nullptr : plain_.data(); }
+
  private:
   std::vector<double> lo_, hi_;
   std::vector<Layer> layers_;
   int64_t dims_, width_ = 0, kmax_ = 0;
   std::vector<std::vector<double>> knots_x_, knots_y_;
+  std::vector<int64_t> plain_;  // set_plain: plain decoding's indices (empty: the actor always answers)
   std::vector<int64_t> nvec_;  // set_actions: the real size of each action dimension
   py::object make_;  // ... its action maker
   std::vector<py::object> actions_;  // ... and the actions made so far, row-major over nvec_ (empty: not yet)
@@ -559,6 +572,39 @@ PyObject* raw_act(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return a->act_tuple(v);
 }
 
+// Whether the probe (args[7] of a history call; absent or None: not probed) proposes nothing: its first kmax
+// values (its confidences per depth; fewer when the depth was capped) all 0. 1 yes, 0 no, -1 with a Python error set.
+int unproposed(const TanhMLP& a, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8 || args[7] == Py_None || a.kmax() <= 0) return 0;
+  Ref seq(PySequence_Fast(args[7], "probe is not a sequence of floats"));
+  if (seq.p == nullptr) return -1;
+  const int64_t n = std::min<int64_t>(PySequence_Fast_GET_SIZE(seq.p), a.kmax());
+  PyObject** items = PySequence_Fast_ITEMS(seq.p);
+  for (int64_t d = 0; d < n; ++d) {
+    double c;
+    if (!as_double(items[d], &c)) return -1;
+    if (c != 0.0) return 0;
+  }
+  return 1;
+}
+
+// The actor of a history call and, where it answers plain decoding without computing (set_plain and an unproposed
+// probe), *plain = its indices; nullptr with a Python error set.
+TanhMLP* history_actor(const char* name, PyObject* const* args, Py_ssize_t nargs, const int64_t** plain) {
+  *plain = nullptr;
+  if (nargs != 7 && nargs != 8) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe])", name);
+    return nullptr;
+  }
+  TanhMLP* a = from_capsule(args[0]);
+  if (a == nullptr || a->plain() == nullptr) return a;
+  const int skip = unproposed(*a, args, nargs);
+  if (skip < 0) return nullptr;
+  if (skip) *plain = a->plain();
+  return a;
+}
+
 // The actor and the observation values [in] into v of a (actor, history, position, max_new_tokens, batch_size,
 // top_k, num_moe_layers[, probe]) call named `name`; nullptr with a Python error set.
 TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_t nargs, double* v) {
@@ -603,7 +649,11 @@ PyObject* raw_logits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // choose(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> (index per dimension)
+// (plain decoding's indices without computing where set_plain applies: `unproposed`)
 PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const int64_t* plain;
+  const TanhMLP* p = history_actor("choose", args, nargs, &plain);
+  if (p == nullptr || plain != nullptr) return p == nullptr ? nullptr : p->index_tuple(plain);
   double v[kMaxIn];
   const TanhMLP* a = history_values("choose", args, nargs, v);
   return a == nullptr ? nullptr : a->act_tuple(v);
@@ -612,6 +662,9 @@ PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // choose_action(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> the action
 // of the table (set_actions): what a session's round takes, in one call
 PyObject* raw_choose_action(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const int64_t* plain;
+  TanhMLP* p = history_actor("choose_action", args, nargs, &plain);
+  if (p == nullptr || plain != nullptr) return p == nullptr ? nullptr : p->action(plain);
   double v[kMaxIn];
   TanhMLP* a = history_values("choose_action", args, nargs, v);
   if (a == nullptr) return nullptr;
@@ -675,6 +728,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("lo"), py::arg("hi"), py::arg("weights"), py::arg("biases"), py::arg("dims"))
       .def("set_observation", &TanhMLP::set_observation, py::arg("kmax"), py::arg("knots_x"), py::arg("knots_y"),
            "the observation layout `choose` computes: kmax depths, the calibration's isotonic knots per depth")
+      .def("set_plain", &TanhMLP::set_plain, py::arg("indices"),
+           "plain decoding's action indices `choose` / `choose_action` answer when the probe proposes nothing "
+           "(its first kmax values all 0), without the observation or the actor; [] turns it off")
       .def("set_actions", &TanhMLP::set_actions, py::arg("nvec"), py::arg("make"),
            "the action table `choose_action` answers from: nvec, and make(indices) -> action (called once per action)")
       .def(

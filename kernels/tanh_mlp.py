@@ -10,6 +10,7 @@ decisions) and `engine.runtime.observation.observation_values` (the same values 
     actor.choose(history, position, max_new_tokens, batch_size, top_k, num_moe_layers)   # -> indices, one call
     actor.set_actions(nvec, make)      # the action table: make(indices) -> action, called once per action
     actor.choose_action(history, ...)  # -> the table's action: what a session's round takes, in one call
+    actor.set_plain(indices)           # plain decoding's indices, answered at once when the probe proposes nothing
     actor.values(history, ...)         # the observation values `choose` computes (its reference check)
 
 Why: between two engine rounds every first call starts with cold caches (README, issue 10 item 3): the numpy actor's
@@ -52,6 +53,12 @@ class Actor:
         action`, called the first time each action is chosen (its result kept). `make` must not hold this actor (the
         C++ object is not garbage-collected: a cycle through it would never be freed)."""
         self._mlp.set_actions([int(n) for n in nvec], make)
+
+    def set_plain(self, indices: Sequence[int] | None) -> None:
+        """Plain decoding's action indices, which `choose` and `choose_action` answer without the observation or the
+        actor when their probe proposes nothing (its first kmax values all 0: the drafter's own probe found nothing to
+        draft); None turns it off (the default)."""
+        self._mlp.set_plain([int(i) for i in indices] if indices is not None else [])
 
     def observe(self, kmax: int, calibration: Any = None) -> None:
         """Set the observation layout `choose` computes: `kmax` draft depths, and the calibrated block from

@@ -5,10 +5,13 @@ A frozen policy folder (written by `ctrl.freeze.freeze`) holds
     policy.pt     TorchScript module: observation vector [B, OBS_DIM] -> action logits [B, sum(nvec)]
                   (observation normalisation folded in)
     policy.json   {"format": "expertspec-policy-v1", "obs_signature": OBS_SIGNATURE, "action_grid": {...},
-                   "nvec": [...], "calibration": {isotonic knots} | null, "acceptance": {...} | null, "algo": ..., ...}
+                   "nvec": [...], "calibration": {isotonic knots} | null, "acceptance": {...} | null,
+                   "probe": [depth, width] | null, "probe_source": "drafter" | "context" | absent, "algo": ..., ...}
 
 `load_frozen_policy(path)` returns a plain callable `obs -> SpecConfig` (deterministic: argmax per action
 dimension) that the engine takes as `policy=`; it refuses a policy made for another observation layout.
+A policy that observes its drafter's own probe (`probe_source` "drafter": the prompt lookup's) decodes plainly
+without asking its actor when the probe proposes nothing (`unproposed`): no action would draft anything then.
 The engine imports neither env nor ctrl: this loader lives beside the observation function.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -44,6 +47,7 @@ from kernels import tanh_mlp
 
 FORMAT = "expertspec-policy-v1"
 CAL_SLICE = slice(OBS_FIELDS.index("confidence_cal_last_1"), OBS_FIELDS.index(f"confidence_cal_last_{KMAX}") + 1)
+NOW_SLICE = slice(OBS_FIELDS.index("confidence_now_1"), OBS_FIELDS.index(f"confidence_now_{KMAX}") + 1)
 
 
 class FrozenPolicy:
@@ -76,10 +80,18 @@ class FrozenPolicy:
         # trained on this round's probed draft confidence (`confidence_now`): the engine probes (depth, width) first
         probe = card.get("probe")
         self.probe: tuple[int, int] | None = (int(probe[0]), int(probe[1])) if probe else None
+        # a probe of the drafter's own (the prompt lookup's) that proposes nothing leaves nothing to draft: plain
+        # decoding then, without the observation or the actor (`unproposed`); a context probe never skips
+        own = self.probe is not None and card.get("probe_source") == "drafter" and 0 in self.grid.depths
+        self.plain_index: tuple[int, ...] | None = (self.grid.depths.index(0), 0, 0, 0) if own else None
+        if self._native is not None and own:
+            self._native.set_plain(self.plain_index)
 
     def act_index(self, vector: np.ndarray | list[float]) -> tuple[int, ...]:
         """Observation vector [OBS_DIM] (or its values, `observation_values`) -> action indices (argmax per
-        MultiDiscrete dimension)."""
+        MultiDiscrete dimension); plain decoding's where the probe proposed nothing (`unproposed`)."""
+        if self.plain_index is not None and unproposed(vector[NOW_SLICE]):
+            return self.plain_index
         if self._native is not None:  # the C++ actor: one call
             return self._native.act(vector if isinstance(vector, list) else np.asarray(vector).tolist())
         if self._mlp is not None:  # padded logits [D, max n]: one argmax for every dimension
@@ -126,6 +138,8 @@ class FrozenPolicy:
         the values and the decision (kernels.tanh_mlp `choose`, equal values: tested). `probe`: this round's draft
         confidence per depth (`confidence_now`; the engine's Session.probe when the policy has `probe`)."""
         own = self.calibration
+        if self.plain_index is not None and probe is not None and unproposed(probe[:KMAX]):
+            return self._spec(self.plain_index)
         if self._native is not None and (own is not None or calibration is None):
             try:
                 return self._spec(self._native.choose(h, position, max_new_tokens, batch_size, top_k, num_moe_layers,
@@ -169,6 +183,13 @@ class FrozenPolicy:
         return self.act_vector(v)
 
     __call__ = act
+
+
+def unproposed(confidences: Sequence[float] | np.ndarray) -> bool:
+    """Whether a probe's confidences per depth (`confidence_now`; empty where the depth was capped to 0) propose
+    nothing: all 0. The prompt lookup's then found no match, so no action drafts anything and every one decodes one
+    token; plain decoding (K = 0) is the cheapest of them. The C++ twin: kernels.tanh_mlp `unproposed`."""
+    return not any(c != 0.0 for c in confidences)
 
 
 def _make_spec(grid: ActionGrid, acceptance: AcceptanceModel | None, cache: dict[tuple[int, ...], SpecConfig],

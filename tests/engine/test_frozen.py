@@ -79,3 +79,57 @@ def test_the_sessions_fallback_chooses_as_its_cpp_chooser(monkeypatch):
     monkeypatch.setattr(slow, "chooser", lambda calibration=None: refuse)
     monkeypatch.setattr(slow._native, "choose", refuse)  # act_history's own C++ path refused too: the Python twin
     assert actions(slow) == want
+
+
+def _random_policy(probe_source: str | None):
+    """A stand-in whose every head is random (K, W and the rule all vary), its card naming `probe_source`."""
+    import torch
+
+    from engine.runtime.frozen import FrozenPolicy
+
+    base = stand_in_policy(GRID, probe=(8, 3), seed=3)
+    with torch.no_grad():
+        base.module.action_net.bias.zero_()  # the depth head no longer pinned to K = 0
+    return FrozenPolicy(base.module, {**base.card, "probe_source": probe_source})
+
+
+def test_a_lookup_policy_decodes_plainly_unasked_when_its_probe_proposes_nothing(monkeypatch):
+    """With `probe_source` "drafter" (the prompt lookup's own probe) every round whose probe found no match is plain
+    decoding — the same weights without it draft there (the rule is what makes them plain) — through the bound C++
+    chooser and through the Python twin alike, and elsewhere the actor decides as before; the tokens stay
+    target-only greedy decoding's. A context probe (or none named) never skips."""
+    from engine.runtime.frozen import NOW_SLICE
+
+    assert _random_policy("context").plain_index is None and _random_policy(None).plain_index is None
+    target = engine.load_model(zoo_path("tiny-moe"))
+    prompts = encode(target.tokenizer, code_prompts(3), 40)
+    eng = engine.Engine(target, drafter="ngram")
+    ref = engine.Engine(target).generate(prompts, 32)
+
+    def rounds(policy) -> list[tuple[bool, int, int, str]]:
+        """(the probe proposed nothing, K, W, rule) of every round, stepping each request alone."""
+        out = []
+        for prompt, want in zip(prompts, ref):
+            s = eng.start([prompt], 32, policy=policy)
+            while s.active:
+                r = s.requests[s.active[0]]
+                depth = min(8, r.max_new - len(r.new_tokens) - 1)
+                conf = eng.drafter.lookup_probe(list(r.tokens), len(r.prompt), depth, 3)[0] if depth > 0 else []
+                st = s.step()[0]
+                out.append((not any(conf), st.depth, st.width, st.verify_rule))
+            assert s.requests[0].new_tokens == want.token_ids
+            s.close()
+        return out
+
+    plain, skip = _random_policy(None), _random_policy("drafter")
+    assert skip.plain_index == (GRID.depths.index(0), 0, 0, 0) and skip.chooser(None) is not None
+    was, now = rounds(plain), rounds(skip)
+    assert any(nothing for nothing, *_ in was) and any(k > 0 for nothing, k, *_ in was if nothing)
+    assert all(k == 0 for nothing, k, *_ in now if nothing)
+    assert len({a[1] for a in now if not a[0]}) > 1  # elsewhere the actor still decides
+    monkeypatch.setattr(skip, "chooser", lambda calibration=None: None)  # the session's act_history path
+    monkeypatch.setattr(skip, "_native", None)  # ... and its Python twin
+    assert rounds(skip) == now
+    v = np.random.default_rng(0).uniform(0, 1, OBS_DIM)
+    v[NOW_SLICE] = 0.0
+    assert skip.act_index(v) == skip.plain_index and plain.act_index(v) != skip.plain_index

@@ -139,3 +139,45 @@ def test_the_native_choice_refuses_a_foreign_layout():
         actor.set_actions([3], tuple)
     actor.set_actions([2], tuple)
     assert actor.choose_action(History(), 0, 1, 1, 0, 0) == (0,)
+
+
+def test_the_native_choice_answers_plain_decoding_unasked_when_the_probe_proposes_nothing():
+    """kernels.tanh_mlp `set_plain`: `choose` / `choose_action` answer its indices when the probe's first KMAX values
+    are all 0 (or it has none: the depth capped to 0), without reading the History (here one it could not read);
+    any other probe, or none given, still goes to the actor. `set_plain(None)` turns it off."""
+    from kernels import tanh_mlp
+
+    if tanh_mlp.load() is None:
+        pytest.skip(f"C++ actor {tanh_mlp.status()}")
+    rng = np.random.default_rng(2)
+    w = [(rng.normal(0, 0.5, (16, OBS_DIM)), rng.normal(0, 0.1, 16)), (rng.normal(0, 0.5, (18, 16)), np.zeros(18))]
+    actor = tanh_mlp.actor(np.full(OBS_DIM, -1.0), np.full(OBS_DIM, 2.0), w, 2)
+    actor.observe(KMAX)
+    actor.set_actions([9, 9], lambda idx: ("action", idx))
+    with pytest.raises(ValueError, match="one index per action dimension"):
+        actor.set_plain([0])
+    with pytest.raises(ValueError, match="out of range"):
+        actor.set_plain([0, 9])
+    actor.set_plain([5, 7])
+    ctx = (3, 64, 1, 2, 4)
+    for nothing in ([0.0] * KMAX, [0.0] * KMAX + [0.5, 1.0], [], [0.0] * 3):
+        assert actor.choose(None, *ctx, nothing) == (5, 7)  # None: no History read at all
+        assert actor.choose_action(None, *ctx, nothing) == ("action", (5, 7))
+    h = History()
+    h.add(_round(rng, 0))
+    picks = set()
+    for _ in range(40):
+        probe = [0.0] * KMAX
+        probe[int(rng.integers(0, KMAX))] = float(rng.uniform(0.01, 1.0))  # one depth proposes something
+        ref = observation_values(h, position=3, max_new_tokens=64, batch_size=1, top_k=2, num_moe_layers=4,
+                                 probe=probe)  # fmt: skip
+        assert actor.choose(h, *ctx, probe) == actor.act(ref)
+        picks.add(actor.choose(h, *ctx, probe))
+    assert picks != {(5, 7)}
+    with pytest.raises(AttributeError):  # not probed (7 arguments, or None): the actor reads the History
+        actor.choose(None, *ctx)
+    with pytest.raises(AttributeError):
+        actor.choose(None, *ctx, None)
+    actor.set_plain(None)
+    with pytest.raises(AttributeError):
+        actor.choose(None, *ctx, [0.0] * KMAX)
