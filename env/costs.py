@@ -16,7 +16,9 @@ Cost models (`make_cost_model`, `CostConf.kind`):
   batch 1 (env.host_calibration), which run the engine's own code paths. Two surcharges depend on the rounds
   before: the warm-up of a request's first rounds after its prefill (engine.cost.warmup) and switching, a round of
   the other kind than the one before it (engine.cost.switching); the other live fits take the steady rounds that
-  kept their kind (`live_fit_rounds`).
+  kept their kind (`live_fit_rounds`). Since trace format 11 the single-token round and the host work are fitted
+  without the rounds a stand-in policy chose (a bare K = 0 run is timed too), and what those rounds cost more (the
+  caches the probe and the choice cooled) is charged with a learned controller's choice (`fit_choice`).
 - "roofline-offload" (env.cost_offload): the roofline with the routed experts in host memory and a per-layer
   device cache (`offload_cache` = its share of the experts, LRU or LFU); every missed (layer, expert) pair of a
   verification is moved over the profile's PCIe link. Stateful (`stateful = True`): the cache lives for an
@@ -115,14 +117,17 @@ class FittedCostModel(CostModel):
         choice_seconds: float | None = None,
         warmup_fit: WarmupCost | None = None,
         switch_fit: SwitchCost | None = None,
+        choice_cooling: float = 0.0,
     ) -> None:
         """plain_step: a target-only engine's forward (T_AR's; default `target.decode`); probe_fit: the drafter's timed
         probes (default: priced as drafting, CostModel.probe); choice_seconds: a learned controller's choice, the mean
         of its timings in place (default: CostModel.choice's constant); warmup_fit: the surcharge of a request's first
         rounds (engine.cost.warmup; default none); switch_fit: the surcharge of a round of the other kind than the one
-        before it (engine.cost.switching; default none)."""
+        before it (engine.cost.switching; default none); choice_cooling: what a round after a learned controller's
+        probe and choice costs more than one without them (its host work and forward, with the caches they cooled),
+        charged with the choice (`choice`)."""
         self.target, self.drafter_fit, self.probe_fit = target, drafter, probe_fit
-        self.choice_seconds = choice_seconds
+        self.choice_seconds, self.choice_cooling = choice_seconds, float(choice_cooling)
         self.warmup_fit = warmup_fit if warmup_fit is not None else WarmupCost()
         self.switch_fit = switch_fit if switch_fit is not None else SwitchCost()
         self.host = host if host is not None else HostCost(0.0, 0.0, 0.0, 0.0)
@@ -137,6 +142,7 @@ class FittedCostModel(CostModel):
             dataclasses.asdict(self.plain_step),
         ] + ([dataclasses.asdict(probe_fit)] if probe_fit is not None else []) + (
             [{"choice_seconds": choice_seconds}] if choice_seconds is not None else []) + (
+            [{"choice_cooling": self.choice_cooling}] if self.choice_cooling else []) + (
             [{"warmup": list(self.warmup_fit.seconds)}] if self.warmup_fit.seconds else []) + (
             [dataclasses.asdict(self.switch_fit)] if self.switch_fit.any else [])  # fmt: skip
 
@@ -171,7 +177,9 @@ class FittedCostModel(CostModel):
             context_len)  # fmt: skip
 
     def choice(self) -> float:
-        return self.choice_seconds if self.choice_seconds is not None else super().choice()
+        """A learned controller's choice each round: its timing in place and the cooling it leaves the round."""
+        own = self.choice_seconds if self.choice_seconds is not None else super().choice()
+        return own + self.choice_cooling
 
     def warmup_cost(self) -> WarmupCost:
         return self.warmup_fit
@@ -217,11 +225,17 @@ class FittedCostModel(CostModel):
         warmup, switch, steady = live_surcharges(a)
         drafted = steps > 0
         cut = drafted & (n <= 1)  # drafted, then cut to its root (nothing kept, nothing matched)
+        # the rounds after the stand-in's probe and choice (a learned controller's, before its K = 0 rounds) run
+        # slower than the same rounds without them; with the bare K = 0 run of format 11 they leave the fits below,
+        # and what they cost more is priced with the choice (`cooling`)
+        chose = a["cal_live_policy_seconds"] > 0
+        bare = (bare_k0_rounds(a) & steady).sum() >= MIN_STEADY
+        unchosen = ~chose if bare else np.ones(len(chose), dtype=bool)
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
         # both (neither records routing), so one fit to both engines' timed rounds; what the engines do differently
         # around it is their host work (`host`: book(1) and plain)
-        decode = _single_token_fit(a, ~drafted & steady, shape) or target.decode  # plain_step defaults to it
-        keep = ~cut & steady  # K = 0, target-only, trees
+        decode = _single_token_fit(a, ~drafted & steady & unchosen, shape) or target.decode  # plain_step: it
+        keep = ~cut & steady & unchosen  # K = 0, target-only, trees
         host = fit_host_cost(n[keep], a["cal_live_host_seconds"][keep], plain[keep])
         drafted &= steady
         cut &= steady
@@ -245,11 +259,10 @@ class FittedCostModel(CostModel):
         else:
             probed = a["probe_seconds"] > 0
             probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
-        # a learned controller's choice, timed in place before the live K = 0 rounds (its mean: what it costs a round)
-        chose = (a["cal_live_policy_seconds"] > 0) & steady
-        choice = float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()) if chose.sum() >= 3 else None
+        # a learned controller's choice, timed in place before the live K = 0 rounds, and the cooling it leaves them
+        choice, cooling = fit_choice(a, steady)
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe,
-                   choice_seconds=choice, warmup_fit=warmup, switch_fit=switch)  # fmt: skip
+                   choice_seconds=choice, warmup_fit=warmup, switch_fit=switch, choice_cooling=cooling)  # fmt: skip
 
 
 MIN_STEADY = 8  # steady rounds each engine needs before the warm-up is fitted
@@ -266,6 +279,33 @@ def warmup_and_steady(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.nda
         return WarmupCost(), np.ones(len(index), dtype=bool)
     fit = fit_warmup_cost(arrays["cal_live_run"], index, arrays["cal_live_verified"], live_seconds(arrays))
     return fit, steady
+
+
+def fit_choice(arrays: dict[str, np.ndarray], rows: np.ndarray) -> tuple[float | None, float]:
+    """(a learned controller's choice: the mean of its timings in place, None below 3 of them; its cooling: what the
+    forward and host work of the K = 0 rounds after it cost more than the same rounds of the bare K = 0 run, medians,
+    >= 0, 0 without that run) of a trace's timed live rounds among `rows` [H]. Both runs decode the same tokens of
+    the same prompts, so the two medians compare like with like; medians, as the effect (~2 % of a round) is smaller
+    than a timing spike."""
+    chose = (arrays["cal_live_policy_seconds"] > 0) & rows
+    if chose.sum() < 3:
+        return None, 0.0
+    choice = float(arrays["cal_live_policy_seconds"][chose].astype(np.float64).mean())
+    k0 = chose & (arrays["cal_live_draft_steps"] == 0) & ~arrays["cal_live_plain"].astype(bool)
+    bare = bare_k0_rounds(arrays) & rows
+    if k0.sum() < 3 or bare.sum() < 3:
+        return choice, 0.0
+    spent = arrays["cal_live_forward_seconds"].astype(np.float64) + arrays["cal_live_host_seconds"]
+    return choice, max(float(np.median(spent[k0]) - np.median(spent[bare])), 0.0)
+
+
+def bare_k0_rounds(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """[H] the timed live rounds of the spec engine's runs that decoded K = 0 without a policy (format 11's last run:
+    no round drafted, none chose)."""
+    run, plain = arrays["cal_live_run"], arrays["cal_live_plain"].astype(bool)
+    quiet = (arrays["cal_live_draft_steps"] == 0) & (arrays["cal_live_policy_seconds"] == 0)
+    runs = [k for k in np.unique(run[~plain]) if quiet[(run == k) & ~plain].all()]
+    return np.isin(run, runs) & ~plain
 
 
 def live_seconds(arrays: dict[str, np.ndarray]) -> np.ndarray:

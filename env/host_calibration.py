@@ -18,7 +18,11 @@ sample of the probe's price (the recorder's own timing runs warm, right after it
 15–18 µs in place, session 2026-12-06 f); then a learned controller's choice, by a stand-in of its shape
 (engine.runtime.frozen.stand_in_policy: the main job's actor, random weights, K = 0 whatever it observes), whose
 RoundStats.policy_seconds are the samples of what a learned policy pays per round (cal_live_policy_seconds).
-Each round also records its run (cal_live_run: 0 the target-only engine, 1 + the index of its action in `host_actions`)
+Since trace format 11 a last run decodes K = 0 again without the stand-in, as a rule or a static K = 0 runs it: the
+single-token round's fit takes those rounds, and what the probe and the choice cost the round after them (its host
+work and forward, slower with caches they cooled) is priced with the choice (env.costs.FittedCostModel).
+Each round also records its run (cal_live_run: 0 the target-only engine, 1 + the index of its action in `host_actions`,
+then 1 + len(host_actions) that bare K = 0 run)
 and its index in its request (cal_live_round): the first rounds after a prefill are slower whatever they run, which the
 fitted cost prices as a warm-up surcharge by round index (engine.cost.warmup) and leaves out of the other fits; and
 the rounds of one run of one request are consecutive, so each round's predecessor is known: a round of the other kind
@@ -89,8 +93,9 @@ class HostCalibrator:
         self.eos = eos_token_id
         self._warm = False
 
-    def _generate(self, engine: Engine, prompt: list[int], tokens: int, params: SamplingParams, spec=None):
-        if spec is None or spec.depth > 0 or engine.drafter is None:
+    def _generate(self, engine: Engine, prompt: list[int], tokens: int, params: SamplingParams, spec=None,
+                  bare: bool = False):  # fmt: skip
+        if spec is None or spec.depth > 0 or engine.drafter is None or bare:  # bare: K = 0 without a policy
             return engine.generate([prompt], tokens, sampling=params, spec=spec, eos_token_id=self.eos)[0]
         # K = 0 as a probing learned policy runs it: the probe (the drafter's or the context probe), then the choice
         return engine.generate([prompt], tokens, sampling=params, policy=self.chooser, eos_token_id=self.eos)[0]
@@ -106,13 +111,16 @@ class HostCalibrator:
             self._generate(self.base, prompt, WARMUP_TOKENS, params)
             for a in self.actions:
                 self._generate(self.spec, prompt, WARMUP_TOKENS, params, a)
+            self._generate(self.spec, prompt, WARMUP_TOKENS, params, self.actions[0], bare=True)
             self._warm = True
         out: dict[str, list] = {k: [] for k in LIVE_ARRAYS}
-        runs = [(self.base, None)] + [(self.spec, a) for a in self.actions]
-        for run, (engine, action) in enumerate(runs):
+        # the last run: K = 0 again, without the stand-in's probe and choice (as a rule or a static K = 0 runs it)
+        runs = [(self.base, None, False)] + [(self.spec, a, False) for a in self.actions]
+        runs.append((self.spec, self.actions[0], True))
+        for run, (engine, action, bare) in enumerate(runs):
             position = 0
             rule = DRAFT_RULES.index(draft_rule(action)) if action is not None else 0
-            for i, r in enumerate(self._generate(engine, prompt, max_new_tokens, params, action).rounds):
+            for i, r in enumerate(self._generate(engine, prompt, max_new_tokens, params, action, bare).rounds):
                 remaining = max_new_tokens - position
                 kd = min(action.depth, remaining - 1) if action is not None and remaining > 1 else 0
                 steps = drafter_steps(kd, r.built_depth, action) if kd > 0 else 0

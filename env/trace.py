@@ -48,13 +48,14 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 10  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position;
+FORMAT_VERSION = 11  # 2: the timed live rounds (cal_live_*); 3: the drafter's probe timed per position;
 # 4: the timed live one-token rounds record no routing (Engine plain_routing); 5: the timed probe finds the lookup
 # match's source too (NGramDrafter.probed_source); 6: ... in the same C++ call as the match (kernels.lookup);
 # 7: the probe timed in place too, before the live K = 0 rounds (cal_live_probe_seconds); 8: a drafter without a
 # probe has the context probe timed (engine.runtime.context_probe); 9: a learned controller's choice timed in place
 # after that probe (cal_live_policy_seconds); 10: each timed live round's run and index in its request (cal_live_run,
-# cal_live_round: the warm-up surcharge, engine.cost.warmup)
+# cal_live_round: the warm-up surcharge, engine.cost.warmup); 11: a last live run of K = 0 without the stand-in's probe
+# and choice (env.host_calibration)
 FORMAT_NAME = "expertspec-trace"
 
 # array name -> (dtype, per-what); the whole schema, checked on load

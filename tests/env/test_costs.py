@@ -216,3 +216,38 @@ def test_the_switching_surcharge_is_fitted_on_whole_live_rounds_and_kept_out_of_
     fit, switched = switch_and_switched(calm)
     assert fit == SwitchCost() and not switched.any()
     assert np.array_equal(live_fit_rounds(calm), warmup_and_steady(calm)[1])
+
+
+def test_the_choice_is_charged_with_the_cooling_it_leaves_a_round():
+    """env.costs.bare_k0_rounds / fit_choice: format 11's bare K = 0 run is found by its rounds (none drafted, none
+    chose); the choice is the mean of the stand-in's timings, its cooling what its K = 0 rounds' forward and host work
+    cost more than the bare run's (medians, >= 0: a spike does not move it), none without the bare run."""
+    from engine.cost.warmup import STEADY_FROM
+    from env.costs import bare_k0_rounds, fit_choice
+    from env.host_calibration import LIVE_ARRAYS
+
+    cool = 6e-6
+
+    def arrays(bare_extra: float) -> dict[str, np.ndarray]:
+        rows = []
+        for run, plain, steps, policy, extra in ((0, True, 0, 0.0, 0.0), (1, False, 0, 4e-6, cool),
+                                                 (2, False, 3, 0.0, 0.0), (3, False, 0, 0.0, bare_extra)):  # fmt: skip
+            for i in range(STEADY_FROM + 8):
+                spike = 1e-3 if i == STEADY_FROM and run == 3 else 0.0
+                rows.append({"run": run, "plain": plain, "verified": 1, "round": i, "draft_steps": steps if i else 0,
+                             "policy_seconds": policy, "forward_seconds": 2e-4, "host_seconds": 5e-5 + extra + spike,
+                             "context": 100 + i})  # fmt: skip
+        a = {k: np.zeros(len(rows), dtype=d) for k, d in LIVE_ARRAYS.items()}
+        for j, r in enumerate(rows):
+            for k, v in r.items():
+                a[f"cal_live_{k}"][j] = v
+        return a
+
+    a = arrays(0.0)
+    assert np.array_equal(bare_k0_rounds(a), a["cal_live_run"] == 3)  # not run 2, though its first round drafted none
+    every = np.ones(len(a["cal_live_run"]), dtype=bool)
+    choice, cooling = fit_choice(a, every)
+    assert choice == pytest.approx(4e-6) and cooling == pytest.approx(cool, rel=1e-6)
+    assert fit_choice(arrays(2 * cool), every)[1] == 0.0  # never negative
+    assert fit_choice(a, a["cal_live_run"] != 3) == (pytest.approx(4e-6), 0.0)  # no bare run: no cooling
+    assert fit_choice(a, a["cal_live_run"] != 1) == (None, 0.0)
