@@ -28,8 +28,11 @@ def test_fit_is_the_mean_and_never_negative():
     truth = HostCost(single=100e-6, per_round=250e-6, per_node=0.0, plain=90e-6)
     n, y, plain = _samples(rng, truth, noise=40e-6)
     got = fit_host_cost(n, np.abs(y), plain)
-    assert got.plain == pytest.approx(np.abs(y)[plain].mean())  # least squares fits the mean a total accumulates
-    assert got.single == pytest.approx(np.abs(y)[~plain & (n == 1)].mean())
+    y, single = np.abs(y), ~plain & (n == 1)
+    # the one-token rounds of both engines: their pooled mean (what a total accumulates), their medians' difference
+    pooled = (got.single * single.sum() + got.plain * plain.sum()) / (single.sum() + plain.sum())
+    assert pooled == pytest.approx(y[single | plain].mean(), rel=1e-9)
+    assert got.single - got.plain == pytest.approx(np.median(y[single]) - np.median(y[plain]), rel=1e-9)
     assert min(got.single, got.per_round, got.per_node, got.plain) >= 0.0
     falling = fit_host_cost([1, 2, 10, 20, 1], [1e-4, 3e-4, 2e-4, 1e-4, 9e-5], [False, False, False, False, True])
     assert falling.per_node == 0.0 and falling.per_round == pytest.approx(2e-4)  # more nodes never cost less
@@ -52,3 +55,13 @@ def test_a_missing_regime_borrows_the_other():
 def test_bad_samples_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
         fit_host_cost(*args)
+
+
+def test_a_spike_in_one_engines_rounds_is_charged_to_both():
+    """One slow target-only step (12 ms among 50) raises book(1) and plain alike: the difference stays theirs."""
+    truth = HostCost(single=100e-6, per_round=250e-6, per_node=7e-6, plain=90e-6)
+    n, y, plain = _samples(np.random.default_rng(0), truth)
+    y[np.flatnonzero(plain)[7]] += 12e-3
+    got = fit_host_cost(n, y, plain)
+    assert got.single - got.plain == pytest.approx(10e-6, rel=1e-9)
+    assert got.plain == pytest.approx(90e-6 + 12e-3 / 110, rel=1e-9) and got.per_round == pytest.approx(250e-6)

@@ -291,10 +291,11 @@ def test_the_probe_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace)
 def test_the_choice_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace):
     """A learned controller's choice is timed where the engine's session makes it: before each live K = 0 round of
     the host calibration, after the probe, by a stand-in of its shape (engine.runtime.frozen.stand_in_policy); the
-    fitted cost prices it at their mean, and the roofline at CHOICE_HOST_SECONDS. Both drafters time it (the EAGLE
-    head's policies choose too)."""
+    fitted cost prices it at their mean plus what those rounds cost more than the bare K = 0 run's
+    (env.costs.fit_choice: the caches the probe and choice cooled), and the roofline at CHOICE_HOST_SECONDS. Both
+    drafters time it (the EAGLE head's policies choose too)."""
     from env.cost_model import CHOICE_HOST_SECONDS
-    from env.costs import FittedCostModel, live_fit_rounds
+    from env.costs import FittedCostModel, bare_k0_rounds, fit_choice, live_fit_rounds
 
     for trace in (ngram_trace, greedy_trace):
         a = trace.arrays
@@ -303,8 +304,10 @@ def test_the_choice_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace
         assert chose.sum() >= 3 and not (chose & ~k0).any()  # the K = 0 action's rounds (K > 0 ends with one too)
         chose &= live_fit_rounds(a)  # its steady rounds that kept their kind
         cm = FittedCostModel.from_trace(trace)
-        assert cm.choice() == pytest.approx(float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()))
-        assert 0 < cm.choice() < 1e-3
+        assert cm.choice_seconds == pytest.approx(float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()))
+        assert bare_k0_rounds(a).any() and (a["cal_live_policy_seconds"][bare_k0_rounds(a)] == 0).all()
+        assert (cm.choice_seconds, cm.choice_cooling) == fit_choice(a, live_fit_rounds(a)) and cm.choice_cooling >= 0
+        assert cm.choice() == pytest.approx(cm.choice_seconds + cm.choice_cooling) and 0 < cm.choice() < 1e-3
     roof = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=COSTS["roofline-qwen3-30b"], cache=False)
     assert roof.cost_model.choice() == CHOICE_HOST_SECONDS
 
