@@ -228,9 +228,8 @@ class FittedCostModel(CostModel):
         # the rounds after the stand-in's probe and choice (a learned controller's, before its K = 0 rounds) run
         # slower than the same rounds without them; with the bare K = 0 run of format 11 they leave the fits below,
         # and what they cost more is priced with the choice (`cooling`)
-        chose = a["cal_live_policy_seconds"] > 0
-        bare = (bare_k0_rounds(a) & steady).sum() >= MIN_STEADY
-        unchosen = ~chose if bare else np.ones(len(chose), dtype=bool)
+        bare = bare_k0_rounds(a, steady)
+        unchosen = ~(a["cal_live_policy_seconds"] > 0) if bare.any() else np.ones(len(bare), dtype=bool)
         # one single-token forward for K = 0 rounds and a target-only engine's steps (T_AR's): the same code runs
         # both (neither records routing), so one fit to both engines' timed rounds; what the engines do differently
         # around it is their host work (`host`: book(1) and plain)
@@ -260,7 +259,7 @@ class FittedCostModel(CostModel):
             probed = a["probe_seconds"] > 0
             probe = fit_probe_cost(contexts[probed], a["probe_seconds"][probed])
         # a learned controller's choice, timed in place before the live K = 0 rounds, and the cooling it leaves them
-        choice, cooling = fit_choice(a, steady)
+        choice, cooling = fit_choice(a, steady, bare)
         return cls(DecodeVerifyCost(decode, target.verify), drafter, shape, host, probe_fit=probe,
                    choice_seconds=choice, warmup_fit=warmup, switch_fit=switch, choice_cooling=cooling)  # fmt: skip
 
@@ -281,31 +280,33 @@ def warmup_and_steady(arrays: dict[str, np.ndarray]) -> tuple[WarmupCost, np.nda
     return fit, steady
 
 
-def fit_choice(arrays: dict[str, np.ndarray], rows: np.ndarray) -> tuple[float | None, float]:
+def fit_choice(arrays: dict[str, np.ndarray], rows: np.ndarray, bare: np.ndarray) -> tuple[float | None, float]:
     """(a learned controller's choice: the mean of its timings in place, None below 3 of them; its cooling: what the
-    forward and host work of the K = 0 rounds after it cost more than the same rounds of the bare K = 0 run, medians,
-    >= 0, 0 without that run) of a trace's timed live rounds among `rows` [H]. Both runs decode the same tokens of
-    the same prompts, so the two medians compare like with like; medians, as the effect (~2 % of a round) is smaller
-    than a timing spike."""
+    forward and host work of the K = 0 rounds after it cost more than the same rounds of the bare K = 0 run, `bare`
+    [H] (`bare_k0_rounds`), medians, >= 0, 0 without that run) of a trace's timed live rounds among `rows` [H]. Both
+    runs decode the same tokens of the same prompts, so the two medians compare like with like; medians, as the
+    effect (~2 % of a round) is smaller than a timing spike."""
     chose = (arrays["cal_live_policy_seconds"] > 0) & rows
     if chose.sum() < 3:
         return None, 0.0
     choice = float(arrays["cal_live_policy_seconds"][chose].astype(np.float64).mean())
     k0 = chose & (arrays["cal_live_draft_steps"] == 0) & ~arrays["cal_live_plain"].astype(bool)
-    bare = bare_k0_rounds(arrays) & rows
-    if k0.sum() < 3 or bare.sum() < 3:
+    if k0.sum() < 3 or not bare.any():
         return choice, 0.0
     spent = arrays["cal_live_forward_seconds"].astype(np.float64) + arrays["cal_live_host_seconds"]
     return choice, max(float(np.median(spent[k0]) - np.median(spent[bare])), 0.0)
 
 
-def bare_k0_rounds(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """[H] the timed live rounds of the spec engine's runs that decoded K = 0 without a policy (format 11's last run:
-    no round drafted, none chose)."""
+def bare_k0_rounds(arrays: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
+    """[H] the timed live rounds among `rows` of the spec engine's runs that decoded K = 0 without a policy (format
+    11's last run: no round drafted, none chose); none where fewer than MIN_STEADY of them are among `rows`. The one
+    rule for whether a trace has that run: the fits leave the stand-in's rounds out, and `fit_choice` prices their
+    cooling, only then."""
     run, plain = arrays["cal_live_run"], arrays["cal_live_plain"].astype(bool)
     quiet = (arrays["cal_live_draft_steps"] == 0) & (arrays["cal_live_policy_seconds"] == 0)
     runs = [k for k in np.unique(run[~plain]) if quiet[(run == k) & ~plain].all()]
-    return np.isin(run, runs) & ~plain
+    bare = np.isin(run, runs) & ~plain & rows
+    return bare if bare.sum() >= MIN_STEADY else np.zeros(len(run), dtype=bool)
 
 
 def live_seconds(arrays: dict[str, np.ndarray]) -> np.ndarray:

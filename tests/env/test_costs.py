@@ -223,7 +223,7 @@ def test_the_choice_is_charged_with_the_cooling_it_leaves_a_round():
     chose); the choice is the mean of the stand-in's timings, its cooling what its K = 0 rounds' forward and host work
     cost more than the bare run's (medians, >= 0: a spike does not move it), none without the bare run."""
     from engine.cost.warmup import STEADY_FROM
-    from env.costs import bare_k0_rounds, fit_choice
+    from env.costs import MIN_STEADY, bare_k0_rounds, fit_choice
     from env.host_calibration import LIVE_ARRAYS
 
     cool = 6e-6
@@ -244,10 +244,15 @@ def test_the_choice_is_charged_with_the_cooling_it_leaves_a_round():
         return a
 
     a = arrays(0.0)
-    assert np.array_equal(bare_k0_rounds(a), a["cal_live_run"] == 3)  # not run 2, though its first round drafted none
     every = np.ones(len(a["cal_live_run"]), dtype=bool)
-    choice, cooling = fit_choice(a, every)
+    bare = bare_k0_rounds(a, every)
+    assert np.array_equal(bare, a["cal_live_run"] == 3)  # not run 2, though its first round drafted none
+    few = a["cal_live_round"] < MIN_STEADY - 1
+    assert not bare_k0_rounds(a, few).any()  # fewer than MIN_STEADY bare rounds among the rows: none
+    choice, cooling = fit_choice(a, every, bare)
     assert choice == pytest.approx(4e-6) and cooling == pytest.approx(cool, rel=1e-6)
-    assert fit_choice(arrays(2 * cool), every)[1] == 0.0  # never negative
-    assert fit_choice(a, a["cal_live_run"] != 3) == (pytest.approx(4e-6), 0.0)  # no bare run: no cooling
-    assert fit_choice(a, a["cal_live_run"] != 1) == (None, 0.0)
+    b = arrays(2 * cool)
+    assert fit_choice(b, every, bare_k0_rounds(b, every))[1] == 0.0  # never negative
+    other = a["cal_live_run"] != 3
+    assert fit_choice(a, other, bare_k0_rounds(a, other)) == (pytest.approx(4e-6), 0.0)  # no bare run: no cooling
+    assert fit_choice(a, a["cal_live_run"] != 1, bare) == (None, 0.0)

@@ -305,8 +305,10 @@ def test_the_choice_is_priced_from_its_timing_in_place(ngram_trace, greedy_trace
         chose &= live_fit_rounds(a)  # its steady rounds that kept their kind
         cm = FittedCostModel.from_trace(trace)
         assert cm.choice_seconds == pytest.approx(float(a["cal_live_policy_seconds"][chose].astype(np.float64).mean()))
-        assert bare_k0_rounds(a).any() and (a["cal_live_policy_seconds"][bare_k0_rounds(a)] == 0).all()
-        assert (cm.choice_seconds, cm.choice_cooling) == fit_choice(a, live_fit_rounds(a)) and cm.choice_cooling >= 0
+        rows = live_fit_rounds(a)
+        bare = bare_k0_rounds(a, rows)
+        assert bare.any() and (a["cal_live_policy_seconds"][bare] == 0).all()
+        assert (cm.choice_seconds, cm.choice_cooling) == fit_choice(a, rows, bare) and cm.choice_cooling >= 0
         assert cm.choice() == pytest.approx(cm.choice_seconds + cm.choice_cooling) and 0 < cm.choice() < 1e-3
     roof = ReplayEnv(greedy_trace, grid=SMALL_GRID, cost=COSTS["roofline-qwen3-30b"], cache=False)
     assert roof.cost_model.choice() == CHOICE_HOST_SECONDS

@@ -172,7 +172,7 @@ def test_fitted_cost_and_synthetic_routing(greedy_trace):
     # its mean the timed mean; the engines differ in their host work
     assert cm.plain_step is cm.target.decode
     one = (a["cal_live_draft_steps"] == 0) & live_fit_rounds(a)  # steady rounds that kept their kind (the surcharges)
-    assert (bare_k0_rounds(a) & live_fit_rounds(a)).sum() >= MIN_STEADY  # format 11's bare K = 0 run ...
+    assert bare_k0_rounds(a, live_fit_rounds(a)).sum() >= MIN_STEADY  # format 11's bare K = 0 run ...
     one &= a["cal_live_policy_seconds"] == 0  # ... so not the rounds a stand-in chose (their cooling: the choice)
     fitted_mean = np.mean([cm.plain_step.seconds(1, L * r, L, int(c)) for c in a["cal_live_context"][one]])
     assert fitted_mean == pytest.approx(a["cal_live_forward_seconds"][one].mean(), rel=1e-6)
