@@ -236,10 +236,21 @@ class Session:
         top_k, layers = self.engine._obs_model
         shape, probe, n, clock, probe_of = self._probe_shape, [], len(self._active), time.perf_counter, self._probe
         depth, width = shape or (0, 0)
+        # the lookup's probe in one call, inlined: `_probe`'s fused path without its frame and lookups (this loop is
+        # the choice's hot path, and what runs here before the choose call is charged to it)
+        fused = self._probe_with_source if shape and depth > 0 and width > 0 else None
         specs = []
         for r in active:
             t0 = clock()
-            if shape:
+            if fused is not None:
+                cap = r.max_new - len(r.new_tokens) - 1
+                if cap > 0:
+                    t1 = clock()
+                    probe = probe_values_of(*fused(r.index, r.tokens, depth if depth < cap else cap, width))
+                    probed[r.index] = probed.get(r.index, 0.0) + clock() - t1
+                else:
+                    probe = []
+            elif shape:
                 probe = probe_of(r, depth, width)
             try:
                 action = choose(r.history, len(r.new_tokens), r.max_new, n, top_k, layers, probe)

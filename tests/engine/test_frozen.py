@@ -133,3 +133,34 @@ def test_a_lookup_policy_decodes_plainly_unasked_when_its_probe_proposes_nothing
     v = np.random.default_rng(0).uniform(0, 1, OBS_DIM)
     v[NOW_SLICE] = 0.0
     assert skip.act_index(v) == skip.plain_index and plain.act_index(v) != skip.plain_index
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_the_choice_sees_the_probe_values_session_probe_gives(plain: bool):
+    """The session's choice loop runs the lookup's probe inline (its hot path): each round the C++ chooser is given
+    exactly the values `Session.probe` returns for the request at that point — the confidences padded to KMAX, then
+    the match's source; the depth capped by the token budget, and [] where nothing can be drafted (one token left:
+    reached by the plain stand-in, one token a round)."""
+    policy = stand_in_policy(GRID, probe=(8, 3)) if plain else _random_policy("drafter")
+    target = engine.load_model(zoo_path("tiny-moe"))
+    prompts = encode(target.tokenizer, code_prompts(2), 40)
+    eng = engine.Engine(target, drafter="ngram")
+    for prompt in prompts:
+        s = eng.start([prompt], 20, policy=policy)
+        seen, want, left = [], [], []
+        choose = s._chooser
+
+        def recording(h, position, max_new, n, top_k, layers, probe, seen=seen, left=left, choose=choose):
+            seen.append(list(probe))
+            left.append(max_new - position)
+            return choose(h, position, max_new, n, top_k, layers, probe)
+
+        s._chooser = recording
+        while s.active:
+            rid = s.active[0]
+            want.append(s.probe(rid, 8, 3))  # what a caller of Session.probe gets (the same match: idempotent)
+            s.step()
+        s.close()
+        assert seen == want and len(want) > 3
+        assert all((v == []) == (n <= 1) and len(v) in (0, 10) for v, n in zip(want, left))
+        assert (left[-1] == 1) == plain
