@@ -202,13 +202,19 @@ def probes(conf: MainConf, traces: dict[str, Any]) -> list[bool]:
     """Whether learned policies observe each round's probe, as the variants to train: conf.algo.probe: the drafter's
     own (the prompt lookup), or for a drafter without one the context probe (engine.runtime.context_probe), then both
     with and without it when conf.algo.probe_select (`train` keeps the one that does better on the training prompts)."""
-    from env.costs import drafter_probes
-
     if not conf.algo.probe:
         return [False]
-    if conf.algo.probe_select and not all(drafter_probes(t) for t in traces.values()):
+    if conf.algo.probe_select and probe_source(traces) == "context":
         return [True, False]
     return [True]
+
+
+def probe_source(traces: dict[str, Any]) -> str:
+    """Where a learned policy's probe comes from (its card's `probe_source`): "drafter" when every trace's drafter has
+    its own (the prompt lookup's: nothing probed, nothing to draft), else "context" (the context probe)."""
+    from env.costs import drafter_probes
+
+    return "drafter" if all(drafter_probes(t) for t in traces.values()) else "context"
 
 
 def train_steps(conf: MainConf, traces: dict[str, Any], learner: str) -> int:
@@ -269,7 +275,6 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     seed under `out_dir/<cost name>/<learner>/seed<k>`; the held-out evaluation callback (conf.algo.eval_every)
     replays every workload's held-out requests, logging only."""
     from ctrl.agent import action_kind, train_seeds
-    from env.costs import drafter_probes
 
     grid = grid_of(conf)
     names = sorted(traces)
@@ -279,8 +284,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     algo = replace(conf.algo, name=learner or conf.algo.name)
     variants = probes(conf, traces)
     home = out_dir / cost.name / algo.name
-    # the drafter's own probe (the lookup's: nothing probed, nothing to draft), else the context probe
-    probe_source = "drafter" if all(drafter_probes(t) for t in traces.values()) else "context"
+    source = probe_source(traces)
 
     def run(probe: bool, folder: Path) -> list[Path]:
         def make_env(rank: int):
@@ -297,7 +301,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
                          "trace_digests": [traces[n].digest for n in names], "train_requests": conf.workloads.train,
                          "calibration": calibration.to_dict(), "acceptance": acceptance.to_dict(),
                          "probe": [grid.max_depth, max(grid.widths)] if probe else None,
-                         "probe_source": probe_source if probe else None}}  # fmt: skip
+                         "probe_source": source if probe else None}}  # fmt: skip
         config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: resolved config
         return train_seeds(make_env, grid, algo, list(conf.seeds), folder, conf.wandb, config, progress,
                            make_eval_envs).policy_paths  # fmt: skip

@@ -186,13 +186,12 @@ def span_cost(env: Any, request: int, span: int) -> float:
 def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
     """(episode return [A], total cost [A]) of every static grid action on `request` (vectorised), each round with
     its warm-up and switching surcharges (RoundStates)."""
-    tables = env.unwrapped.tables
-    positions = env.unwrapped.trace.positions_of(request)
-    p0, T = positions.start, len(positions)
-    A = tables.cost.shape[1]
     if env.unwrapped.cost_model.stateful:
-        return _stateful_static_returns(env.unwrapped, p0, T)
+        positions = env.unwrapped.trace.positions_of(request)
+        return _stateful_static_returns(env.unwrapped, positions.start, len(positions))
+    committed, costs, ar, verifying = request_tables(env, request)
     st = round_states(env)
+    T, A = committed.shape
     t = np.zeros(A, dtype=np.int64)
     s = np.zeros(A, dtype=np.int64)  # each action's round state
     ret, total = np.zeros(A), np.zeros(A)
@@ -201,12 +200,10 @@ def static_returns(env: Any, request: int) -> tuple[np.ndarray, np.ndarray]:
         live = t < T
         if not live.any():
             break
-        p = p0 + t[live]
-        c = cols[live]
-        com = tables.committed_pa[p, c].astype(np.int64)
-        v = (tables.o_n[tables.outcome[p, c]] > 1).astype(np.int64)
-        cost = tables.cost[p, c] + st.surcharge[s[live], v]
-        ret[live] += com - cost / tables.ar[p]
+        p, c = t[live], cols[live]
+        com, v = committed[p, c], verifying[p, c]
+        cost = costs[p, c] + st.surcharge[s[live], v]
+        ret[live] += com - cost / ar[p]
         total[live] += cost
         t[live] += com
         s[live] = st.after[s[live], v]

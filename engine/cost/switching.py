@@ -68,12 +68,17 @@ def kind_of(verified_tokens: int) -> int:
     return VERIFY if verified_tokens > 1 else SINGLE
 
 
+def kinds(verified: np.ndarray) -> np.ndarray:
+    """`kind_of` of every entry of `verified` [S] (verified tokens per round) -> [S] SINGLE / VERIFY."""
+    return np.where(np.asarray(verified) > 1, VERIFY, SINGLE)
+
+
 def previous_kinds(run: np.ndarray, round_index: np.ndarray, verified: np.ndarray) -> np.ndarray:
     """[S] the kind of each timed live round's predecessor in its request (NONE for a first round or where the
     round before is not the previous row: the rows of one run of one request are consecutive, env.host_calibration)."""
     prev = np.full(len(run), NONE, dtype=np.int64)
     follows = (round_index[1:] == round_index[:-1] + 1) & (run[1:] == run[:-1])
-    prev[1:][follows] = np.where(verified[:-1][follows] > 1, VERIFY, SINGLE)
+    prev[1:][follows] = kinds(verified[:-1][follows])
     return prev
 
 
@@ -91,8 +96,7 @@ def fit_switch_cost(
     if not (len(run_a) == len(idx) == len(n) == len(y)):
         raise ValueError(f"run, round_index, verified and seconds differ in length "
                          f"({len(run_a)}, {len(idx)}, {len(n)}, {len(y)})")  # fmt: skip
-    prev = previous_kinds(run_a, idx, n)
-    this = np.where(n > 1, VERIFY, SINGLE)
+    prev, this = previous_kinds(run_a, idx, n), kinds(n)
     usable = (idx >= steady_from) & (prev != NONE)
     residual = np.full(len(y), np.nan)
     for key in set(zip(run_a[usable].tolist(), n[usable].tolist())):
@@ -113,4 +117,4 @@ def switched_rounds(run: Sequence[int], round_index: Sequence[int], verified: Se
     a switching surcharge prices them)."""
     n = np.asarray(verified, dtype=np.int64)
     prev = previous_kinds(np.asarray(run, dtype=np.int64), np.asarray(round_index, dtype=np.int64), n)
-    return (prev != NONE) & (prev != np.where(n > 1, VERIFY, SINGLE))
+    return (prev != NONE) & (prev != kinds(n))
