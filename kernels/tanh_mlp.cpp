@@ -588,37 +588,30 @@ int unproposed(const TanhMLP& a, PyObject* const* args, Py_ssize_t nargs) {
   return 1;
 }
 
-// The actor of a history call and, where it answers plain decoding without computing (set_plain and an unproposed
-// probe), *plain = its indices; nullptr with a Python error set.
+// The actor of a (actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) call named
+// `name` and, with `plain` given, where it answers plain decoding without computing (set_plain and an unproposed
+// probe) *plain = its indices; nullptr with a Python error set.
 TanhMLP* history_actor(const char* name, PyObject* const* args, Py_ssize_t nargs, const int64_t** plain) {
-  *plain = nullptr;
+  if (plain != nullptr) *plain = nullptr;
   if (nargs != 7 && nargs != 8) {
     PyErr_Format(PyExc_TypeError,
                  "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe])", name);
     return nullptr;
   }
   TanhMLP* a = from_capsule(args[0]);
-  if (a == nullptr || a->plain() == nullptr) return a;
+  if (a == nullptr || plain == nullptr || a->plain() == nullptr) return a;
   const int skip = unproposed(*a, args, nargs);
   if (skip < 0) return nullptr;
   if (skip) *plain = a->plain();
   return a;
 }
 
-// The actor and the observation values [in] into v of a (actor, history, position, max_new_tokens, batch_size,
-// top_k, num_moe_layers[, probe]) call named `name`; nullptr with a Python error set.
-TanhMLP* history_values(const char* name, PyObject* const* args, Py_ssize_t nargs, double* v) {
-  if (nargs != 7 && nargs != 8) {
-    PyErr_Format(PyExc_TypeError,
-                 "%s(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe])", name);
-    return nullptr;
-  }
-  TanhMLP* a = from_capsule(args[0]);
+// The observation values [in] into v of a history call (`history_actor` checked its arguments and found `a`);
+// false with a Python error set.
+bool history_values(const TanhMLP& a, PyObject* const* args, Py_ssize_t nargs, double* v) {
   long long c[5];
-  if (a == nullptr || !history_args(args, c) ||
-      !observation_values(*a, args[1], c[0], c[1], c[2], c[3], c[4], nargs == 8 ? args[7] : nullptr, v))
-    return nullptr;
-  return a;
+  return history_args(args, c) &&
+         observation_values(a, args[1], c[0], c[1], c[2], c[3], c[4], nargs == 8 ? args[7] : nullptr, v);
 }
 
 PyObject* float_list(const double* v, int64_t n) {  // [float(v[k]) for k < n]
@@ -652,22 +645,20 @@ PyObject* raw_logits(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // (plain decoding's indices without computing where set_plain applies: `unproposed`)
 PyObject* raw_choose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t* plain;
-  const TanhMLP* p = history_actor("choose", args, nargs, &plain);
-  if (p == nullptr || plain != nullptr) return p == nullptr ? nullptr : p->index_tuple(plain);
+  const TanhMLP* a = history_actor("choose", args, nargs, &plain);
+  if (a == nullptr || plain != nullptr) return a == nullptr ? nullptr : a->index_tuple(plain);
   double v[kMaxIn];
-  const TanhMLP* a = history_values("choose", args, nargs, v);
-  return a == nullptr ? nullptr : a->act_tuple(v);
+  return history_values(*a, args, nargs, v) ? a->act_tuple(v) : nullptr;
 }
 
 // choose_action(actor, history, position, max_new_tokens, batch_size, top_k, num_moe_layers[, probe]) -> the action
 // of the table (set_actions): what a session's round takes, in one call
 PyObject* raw_choose_action(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t* plain;
-  TanhMLP* p = history_actor("choose_action", args, nargs, &plain);
-  if (p == nullptr || plain != nullptr) return p == nullptr ? nullptr : p->action(plain);
+  TanhMLP* a = history_actor("choose_action", args, nargs, &plain);
+  if (a == nullptr || plain != nullptr) return a == nullptr ? nullptr : a->action(plain);
   double v[kMaxIn];
-  TanhMLP* a = history_values("choose_action", args, nargs, v);
-  if (a == nullptr) return nullptr;
+  if (!history_values(*a, args, nargs, v)) return nullptr;
   int64_t idx[kMaxWidth];
   a->argmax(v, idx);
   return a->action(idx);
@@ -675,9 +666,9 @@ PyObject* raw_choose_action(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 
 // values(actor, history, position, ...[, probe]) -> [observation values] (the check of `choose`'s first half)
 PyObject* raw_values(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const TanhMLP* a = history_actor("values", args, nargs, nullptr);
   double v[kMaxIn];
-  const TanhMLP* a = history_values("values", args, nargs, v);
-  return a == nullptr ? nullptr : float_list(v, a->inputs());
+  return a != nullptr && history_values(*a, args, nargs, v) ? float_list(v, a->inputs()) : nullptr;
 }
 
 PyMethodDef kRawMethods[] = {

@@ -110,6 +110,9 @@ def test_bad_shapes_are_refused_with_a_message():
         tanh_mlp.actor(lo, hi, [layers[0], (np.zeros((6, 3)), np.zeros(6))], 2)
     with pytest.raises(ValueError, match="dims \\* width"):
         tanh_mlp.actor(lo, hi, layers, 4)
+    for name in ("choose", "choose_action", "values"):  # a history call's arguments, checked in one place
+        with pytest.raises(TypeError, match=rf"{name}\(actor, history, position, .*\[, probe\]\)"):
+            getattr(actor, name)(object(), 0)
 
 
 def test_switched_off_by_the_environment(switched_off):
