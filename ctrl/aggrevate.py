@@ -61,37 +61,46 @@ def static_q(env: Any, request: int, action: int) -> np.ndarray:
     """Q_s(t, s, a) [T, S, A]: every action at (t, s), then the static flat action `action` to the end of
     `request`."""
     e = env.unwrapped
-    tab = committed, reward, ar, verifying, st = _request(e, request)
+    tab = committed, reward, ar, verifying, st, held = _request(e, request)
     T = len(committed)
     value = np.zeros((T + 1, st.size))
     for t in range(T - 1, -1, -1):
         v = int(verifying[t, action])
-        value[t] = reward[t, action] - st.surcharge[:, v] / ar[t] + value[min(t + int(committed[t, action]), T),
-                                                                          st.after[:, v]]  # fmt: skip
+        nxt, s = min(t + int(committed[t, action]), T), st.after[:, v]
+        if held is not None and held.starts[t, action]:  # the plain rounds it holds, then the value where they land
+            ahead = held.gain[nxt, s] + value[held.land_t[nxt], held.land_s[nxt, s]]
+        else:
+            ahead = value[nxt, s]
+        value[t] = reward[t, action] - st.surcharge[:, v] / ar[t] + ahead
     return _q(tab, value)
 
 
-Request = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]
+Request = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any, Any]
 
 
 def _request(e: Any, request: int) -> Request:
-    """(committed [T, A], R − T_spec/T_AR [T, A], T_AR [T], verifying [T, A], RoundStates) of `request`
-    (env.oracle.request_tables, env.oracle.round_states)."""
+    """(committed [T, A], R − T_spec/T_AR [T, A], T_AR [T], verifying [T, A], RoundStates, HeldTables or None) of
+    `request` (env.oracle.request_tables, env.oracle.round_states, env.held.held_tables)."""
+    from env.held import held_tables
     from env.oracle import request_tables, round_states
 
     committed, cost, ar, verifying = request_tables(e, request)
-    return committed, committed - cost / ar[:, None], ar, verifying, round_states(e)
+    return committed, committed - cost / ar[:, None], ar, verifying, round_states(e), held_tables(e, request)
 
 
 def _q(tab: Request, value: np.ndarray) -> np.ndarray:
     """Q(t, s, a) [T, S, A] = R(t, a) − (T_spec(t, a) + surcharge(s, a verifies))/T_AR(t) + V(t + R(t, a), next state)
-    for a value-to-go V [T + 1, S] (env.oracle.RoundStates)."""
-    committed, reward, ar, verifying, st = tab
+    for a value-to-go V [T + 1, S] (env.oracle.RoundStates); under a hold, V after an action that starts one is the
+    held rounds' return, then V where they land (env.held.HeldTables)."""
+    committed, reward, ar, verifying, st, held = tab
     T = len(committed)
     nxt = np.minimum(np.arange(T)[:, None] + committed, T)  # [T, A]
     rows = np.arange(st.size)[None, :, None]
     v = verifying[:, None, :]  # [T, 1, A]
-    ahead = value[nxt[:, None, :], st.after[rows, v]]  # [T, S, A]
+    after = st.after[rows, v]  # [T, S, A]
+    ahead = value[nxt[:, None, :], after]  # [T, S, A]
+    if held is not None:
+        ahead = np.where(held.starts[:, None, :], held.ahead(value)[nxt[:, None, :], after], ahead)
     return reward[:, None, :] - st.surcharge[rows, v] / ar[:, None, None] + ahead
 
 

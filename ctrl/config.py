@@ -48,6 +48,14 @@ class AlgoConf:
     # under the measured cost its timings in place, env.host_calibration; under the roofline 10 µs of host work);
     # rules and static actions are not charged theirs
     price_choice: bool = True
+    # learned policies hold plain decoding unasked for `hold_rounds` rounds once they choose it (engine.runtime.hold;
+    # after "plain": any K = 0, "declined": a K = 0 although the probe proposed a draft), in training, evaluation and
+    # the deployed engine alike (their card's `hold`); 0: asked every round
+    hold_rounds: int = 0
+    hold_after: str = "plain"
+    # after training, the hold the policies deploy with is chosen on the training prompts among the trained one and
+    # "plain" / "declined" holds of these lengths (ctrl.hold_select); []: deploy the trained hold
+    hold_select: list[int] = field(default_factory=lambda: [1, 2, 4, 16])
     normalize_reward: bool = True
     # SAC / TD3 (off-policy, Box action): replay buffer, warm-up steps, Polyak τ, vectorised steps per update,
     # updates per train_freq (-1: one per transition collected, SB3's convention; with 1 and 4 envs SAC saw a

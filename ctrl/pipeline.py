@@ -3,7 +3,7 @@
     traces = record_traces(conf)                          # {workload: Trace}, cached by content
     envs   = replay_envs(traces, cost, requests="train")  # one ReplayEnv per workload
     paths  = train(conf, traces, cost, out_dir)           # frozen policies, one per seed
-    rows   = evaluate(conf, traces, cost, policies)       # results.json rows
+    rows   = ctrl.evaluation.evaluate(conf, traces, cost, policies)   # results.json rows
 
 Split: the first `workloads.train` prompts of each workload train (and choose "static-best-train"), the
 next `workloads.test` are held out for every reported figure. Every policy runs on the same traces under
@@ -23,24 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from ctrl.baselines import POLICY_FACTORIES, profile
+from ctrl.baselines import POLICY_FACTORIES
 from ctrl.config import CostSpecConf, MainConf
 from ctrl.metrics import summarize
 from ctrl.rollout import (
-    SPANS,
-    ablation,
     frozen_runner,
-    request_level_bound,
     run_requests,
-    span_bounds,
-    static_costs,
-    static_costs_by_request,
-    static_runner,
-    train_fit,
-    unflat,
 )
 from engine.runtime.action_grid import ActionGrid
-from engine.spec.config import SpecConfig
+from engine.runtime.hold import Hold
 
 
 def grid_of(conf: MainConf) -> ActionGrid:
@@ -141,6 +132,13 @@ def _check_algo(a: Any) -> None:
     if not 0 < a.tau <= 1 or a.action_noise < 0 or a.learning_rate <= 0:
         raise ValueError(f"algo.tau must be in (0, 1], algo.action_noise >= 0 and algo.learning_rate > 0; got "
                          f"{a.tau}, {a.action_noise}, {a.learning_rate}")  # fmt: skip
+    try:
+        hold_of(a)
+    except ValueError as err:
+        raise ValueError(f"algo.hold_rounds / algo.hold_after: {err}") from None
+    from ctrl.hold_select import candidates
+
+    candidates(hold_of(a), list(a.hold_select))
 
 
 def _check_regimes(conf: MainConf) -> None:
@@ -191,11 +189,17 @@ def split(trace: Any, conf: MainConf) -> tuple[list[int], list[int]]:
 
 def replay_env(trace: Any, cost: CostSpecConf, grid: ActionGrid, requests: Sequence[int] | None = None,
                calibration: Any = None, acceptance: Any = None, action_kind: str = "multidiscrete",
-               probe: bool = False, choice: bool = False):  # fmt: skip
+               probe: bool = False, choice: bool = False, hold: Any = None):  # fmt: skip
     from env.replay import ReplayEnv
 
     return ReplayEnv(trace, grid=grid, cost=env_cost(cost), requests=requests, calibration=calibration,
-                     acceptance=acceptance, action_kind=action_kind, probe=probe, choice=choice)  # fmt: skip
+                     acceptance=acceptance, action_kind=action_kind, probe=probe, choice=choice,
+                     hold=hold)  # fmt: skip
+
+
+def hold_of(algo: Any) -> Hold:
+    """The hold of a learner's policies (engine.runtime.hold) from its AlgoConf."""
+    return Hold(algo.hold_rounds, algo.hold_after)
 
 
 def probes(conf: MainConf, traces: dict[str, Any]) -> list[bool]:
@@ -285,29 +289,31 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     variants = probes(conf, traces)
     home = out_dir / cost.name / algo.name
     source = probe_source(traces)
+    hold = hold_of(conf.algo)
 
     def run(probe: bool, folder: Path) -> list[Path]:
         def make_env(rank: int):
             name = names[rank % len(names)]
             train_ids, _ = split(traces[name], conf)
             return replay_env(traces[name], cost, grid, train_ids, calibration, acceptance, kind, probe,
-                              algo.price_choice)  # fmt: skip
+                              algo.price_choice, hold)  # fmt: skip
 
         def make_eval_envs():
             return {n: replay_env(traces[n], cost, grid, split(traces[n], conf)[1], calibration, acceptance, kind,
-                                  probe, algo.price_choice) for n in names}  # fmt: skip
+                                  probe, algo.price_choice, hold) for n in names}  # fmt: skip
 
         card = {"card": {"cost_model": cost.name, "workloads": names,
                          "trace_digests": [traces[n].digest for n in names], "train_requests": conf.workloads.train,
                          "calibration": calibration.to_dict(), "acceptance": acceptance.to_dict(),
                          "probe": [grid.max_depth, max(grid.widths)] if probe else None,
-                         "probe_source": source if probe else None}}  # fmt: skip
+                         "probe_source": source if probe else None,
+                         "hold": hold.to_dict() if hold else None}}  # fmt: skip
         config = {**card, "cost": asdict(cost), "algo": asdict(algo), "main": asdict(conf)}  # W&B: resolved config
         return train_seeds(make_env, grid, algo, list(conf.seeds), folder, conf.wandb, config, progress,
                            make_eval_envs).policy_paths  # fmt: skip
 
     if len(variants) == 1:
-        return run(variants[0], home)
+        return _select_hold(conf, traces, cost, grid, calibration, acceptance, run(variants[0], home), variants[0])
     # the context probe costs every round: trained with and without it, the variant whose policies commit more per
     # cost on the training prompts (geometric mean over workloads and seeds) is kept; held-out prompts decide nothing
     fits: dict[str, float] = {}
@@ -326,12 +332,33 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
             shutil.rmtree(dest)
         shutil.copytree(path, dest)
         out.append(dest)
-    return out
+    return _select_hold(conf, traces, cost, grid, calibration, acceptance, out, best == "context-probe")
+
+
+def _select_hold(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid: ActionGrid, calibration: Any,
+                 acceptance: Any, paths: list[Path], probe: bool) -> list[Path]:  # fmt: skip
+    """With conf.algo.hold_select: the hold (engine.runtime.hold) the trained policies deploy with, chosen on the
+    training prompts among their trained one and every candidate (ctrl.hold_select), written into their cards."""
+    if not conf.algo.hold_select:
+        return paths
+    from ctrl.hold_select import candidates, set_card_hold
+
+    trained = hold_of(conf.algo)
+    fits = {h: _train_fit(conf, traces, cost, grid, calibration, acceptance, paths, probe, h)
+            for h in candidates(trained, conf.algo.hold_select)}  # fmt: skip
+    best = max(fits, key=lambda h: fits[h])  # ties: the first, the trained hold
+    for path in paths:
+        set_card_hold(path, best)
+    record = {"selected": best.to_dict(), "trained": trained.to_dict(),
+              "train_committed_per_cost": [[h.to_dict(), f] for h, f in fits.items()]}  # fmt: skip
+    (Path(paths[0]).parent / "hold_selection.json").write_text(json.dumps(record))
+    return paths
 
 
 def _train_fit(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid: ActionGrid, calibration: Any,
-               acceptance: Any, paths: Sequence[Path], probe: bool) -> float:  # fmt: skip
-    """Geometric mean over workloads and seeds of the frozen policies' committed per cost on the training prompts."""
+               acceptance: Any, paths: Sequence[Path], probe: bool, hold: Hold | None = None) -> float:  # fmt: skip
+    """Geometric mean over workloads and seeds of the frozen policies' committed per cost on the training prompts
+    (deployed with `hold`, default the trained one)."""
     from engine.runtime.frozen import load_frozen_policy
 
     frozen = [load_frozen_policy(p) for p in paths]
@@ -339,181 +366,7 @@ def _train_fit(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid:
     for n in sorted(traces):
         train_ids, _ = split(traces[n], conf)
         env = replay_env(traces[n], cost, grid, train_ids, calibration, acceptance, probe=probe,
-                         choice=conf.algo.price_choice)  # fmt: skip
+                         choice=conf.algo.price_choice, hold=hold_of(conf.algo) if hold is None else hold)  # fmt: skip
         vals += [summarize(run_requests(env, train_ids, frozen_runner(fp, env), "index")).committed_per_cost
                  for fp in frozen]  # fmt: skip
     return float(np.exp(np.mean(np.log(vals))))  # geometric: every workload weighs alike
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
-def evaluate(
-    conf: MainConf,
-    traces: dict[str, Any],
-    cost: CostSpecConf,
-    policy_paths: dict[str, Sequence[Path]],
-    on_policy: Callable[[str], None] | None = None,
-) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
-    """Every policy on every workload's held-out requests, replay under `cost`.
-
-    Returns (rows, plot data per workload, extras: headroom shares, ablation, profiles)."""
-    from engine.runtime.frozen import load_frozen_policy
-    from env.oracle import HindsightOracle
-
-    grid = grid_of(conf)
-    rows: list[dict[str, Any]] = []
-    plots: dict[str, dict[str, Any]] = {}
-    extras: dict[str, Any] = {"headroom": {}, "ablation": {}, "profile": {}, "static": {}, "train_fit": {},
-                              "hindsight": {}}  # fmt: skip
-    frozen = {learner: [load_frozen_policy(p) for p in paths] for learner, paths in policy_paths.items() if paths}
-    tick = on_policy or (lambda name: None)
-    trained = cost.policies_from or cost.name  # the cost model the learned policies were trained under
-    calibration = calibrate(conf, traces)
-    acceptance = fit_acceptance_model(conf, traces)
-    extras["calibration"], extras["acceptance"] = {}, {}
-    extras["probe_selection"] = {
-        learner: json.loads(f.read_text())
-        for learner, paths in policy_paths.items()
-        if paths and (f := Path(paths[0]).parent / "probe_selection.json").is_file()
-    }
-    for name in sorted(traces):
-        trace = traces[name]
-        train_ids, test_ids = split(trace, conf)
-        env = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance)
-        # the learned policies' envs: with the probe they observe (and pay for) when they were trained with one, and
-        # their choice priced (conf.algo.price_choice)
-        learned_envs: dict[bool, Any] = {}
-
-        def learned_env(probe: bool, envs=learned_envs, trace=trace, env=env) -> Any:
-            if probe not in envs:
-                envs[probe] = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=probe,
-                                         choice=conf.algo.price_choice) if probe or conf.algo.price_choice else env
-            return envs[probe]
-
-        from env.calibration import acceptance_error, calibration_error
-
-        extras["calibration"][name] = calibration_error(trace, calibration, test_ids)
-        extras["acceptance"][name] = acceptance_error(trace, acceptance, test_ids)
-        plot: dict[str, Any] = {}
-        runs: dict[str, list[list[Any]]] = {}
-
-        def add(policy: str, reqs: list[list[Any]], runs=runs, name=name, rows=rows, **extra: Any) -> None:
-            runs[policy] = reqs
-            rows.append(row(policy, name, cost, reqs, **extra))
-            tick(policy)
-
-        # static: the best action of the whole grid, chosen on the training prompts and on the test prompts
-        c_train, c_by_request = static_costs(env, train_ids), static_costs_by_request(env, test_ids)
-        c_test = c_by_request.sum(0)
-        extras["hindsight"][name] = {"request": request_level_bound(c_by_request),
-                                     **span_bounds(env, test_ids, SPANS, float(c_test.min()))}  # fmt: skip
-        best_train, best_test = unflat(env, int(np.argmin(c_train))), unflat(env, int(np.argmin(c_test)))
-        for label, idx in (("static-best-train", best_train), ("static-best-test", best_test)):
-            spec = grid.spec(idx)
-            add(label, run_requests(env, test_ids, static_runner(env, idx), "index"),
-                action=f"K={spec.depth} W={spec.width} rule={spec.verify_rule}:{spec.verify_threshold:g}")  # fmt: skip
-            extras["static"][f"{name}/{label}"] = list(idx)
-        add("target-only", run_requests(env, test_ids, lambda obs: SpecConfig(depth=0, width=1), "spec"))
-        # published / shipped adaptive rules, configured from the training prompts
-        prof = profile(env, train_ids, grid, c_train)
-        extras["profile"][name] = prof
-        for pname in conf.policies:
-            pol = POLICY_FACTORIES[pname](prof, grid)
-            add(pname, run_requests(env, test_ids, pol.act, "spec", reset=pol.reset))
-        # the hindsight oracle (replay only): the upper bound
-        oracle = HindsightOracle(env, objective="cost")
-        bound = {} if not env.unwrapped.cost_model.stateful else {"bound": False}  # plans on a proxy (env.oracle)
-        add("oracle", run_requests(env, test_ids, lambda v, o=oracle: o.action(), "index"), **bound)
-        # learned: every algorithm, every seed, and their mean over seeds
-        for learner, fps in frozen.items():
-            seed_rows = []
-            for k, fp in enumerate(fps):
-                fenv = learned_env(bool(fp.probe))
-                reqs = run_requests(fenv, test_ids, frozen_runner(fp, fenv), "index")
-                r = row(f"{learner}-seed{k}", name, cost, reqs, seed=fp.card.get("seed"), trained_under=trained)
-                rows.append(r)
-                seed_rows.append(r)
-                runs.setdefault(learner, reqs)
-                tick(learner)
-            numeric = [k for k, v in seed_rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            mean = {key: float(np.mean([r[key] for r in seed_rows])) for key in numeric}
-            mean.update(policy=learner, workload=name, backend="replay", cost_model=cost.name, exact=True,
-                        trained_under=trained, seeds=len(seed_rows),
-                        request_speedups=np.mean([r["request_speedups"] for r in seed_rows], axis=0).tolist(),
-                        seed_min=min(r["committed_per_cost"] for r in seed_rows),
-                        seed_max=max(r["committed_per_cost"] for r in seed_rows))  # fmt: skip
-            rows.append(mean)
-            base = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
-                        and r["policy"] == "static-best-test")  # fmt: skip
-            orc = next(r for r in rows if r["workload"] == name and r["cost_model"] == cost.name
-                       and r["policy"] == "oracle")  # fmt: skip
-            gap = orc["committed_per_cost"] - base["committed_per_cost"]  # < 0.1 % of the baseline: no headroom
-            extras["headroom"].setdefault(learner, {})[name] = [
-                (r["committed_per_cost"] - base["committed_per_cost"]) / gap
-                if gap > 1e-3 * base["committed_per_cost"]
-                else float("nan")
-                for r in seed_rows
-            ]
-            fenv = learned_env(bool(fps[0].probe))
-            extras["train_fit"].setdefault(learner, {})[name] = train_fit(env, train_ids, fps, best_train, fenv)
-            if conf.ablation:
-                extras["ablation"].setdefault(learner, {})[name] = ablation(fenv, test_ids, fps, grid, best_train[0])
-        if conf.live_requests > 0 and cost.kind in ("roofline", "fitted"):  # the other kinds price replay only
-            first = next(iter(frozen.values()), [])[:1]
-            rows += live_rows(conf, trace, name, cost, grid, test_ids[: conf.live_requests], extras["static"], first,
-                              env, calibration, acceptance, learned_env)  # fmt: skip
-        for pol_name, reqs in runs.items():
-            if pol_name in (*frozen, "static-best-train", "cascade", "evict", "oracle", "target-only"):
-                plot[pol_name] = per_policy_plot_data(reqs)
-        plots[name] = plot
-    return rows, plots, extras
-
-
-_MODELS: dict[tuple, Any] = {}
-
-
-def live_rows(conf: MainConf, trace: Any, workload: str, cost: CostSpecConf, grid: ActionGrid,
-              requests: Sequence[int], static: dict, frozen: Sequence[Any], replay: Any,
-              calibration: Any = None, acceptance: Any = None,
-              learned_replay: Callable[[bool], Any] | None = None) -> list[dict]:  # fmt: skip
-    """The same held-out requests on the live engine (expertspec/Live-v0): target-only, static-best-train and
-    the first learned seed, each with `replay_committed_per_cost`, replay's figure on the same requests (equal
-    under a deterministic cost model: the live engine drafts, verifies and is priced as the trace says);
-    `learned_replay(probe)`: the replay env a learned policy runs in (its probe, its choice priced)."""
-    from env.live import LiveEnv
-    from env.models import load_models
-
-    m = conf.models
-    key = (m.target, m.drafter, m.predictor)
-    if key not in _MODELS:
-        _MODELS[key] = load_models(m.target, m.drafter, m.predictor)
-    sampling = {"temperature": conf.workloads.temperature, "seed": 0} if conf.workloads.temperature > 0 else None
-    probe = bool(frozen and frozen[0].probe)
-    env = LiveEnv(models=_MODELS[key], prompts=[trace.prompt(i) for i in requests], probe=probe,
-                  max_new_tokens=conf.workloads.max_new_tokens, sampling=sampling, grid=grid,
-                  cost=env_cost(cost),
-                  fit_trace=trace if cost.kind == "fitted" else None, calibration=calibration,
-                  acceptance=acceptance, choice=conf.algo.price_choice)  # fmt: skip
-    local = list(range(len(requests)))
-    out = []
-    idx = tuple(static[f"{workload}/static-best-train"])
-    actors = [("target-only", lambda v: env.codec.encode((0, 0, 0, 0)), False)] if grid.depths[0] == 0 else []
-    actors.append(("static-best-train", static_runner(env, idx), False))
-    if frozen:
-        actors.append((f"{frozen[0].card.get('algo', 'learned')}-seed0", frozen_runner(frozen[0], env), True))
-    shape, choice = env.probe, env.choice_seconds
-    for label, act, learned in actors:
-        # only the learned policy runs (and pays) the probe it observes, and pays its choice
-        env.probe, env.choice_seconds = (shape, choice) if learned else (None, 0.0)
-        twin = learned_replay(probe) if learned and learned_replay is not None else replay  # the replay env it ran in
-        same = summarize(run_requests(twin, list(requests), act, "index")).committed_per_cost
-        reqs = []
-        for i in local:
-            vec, _ = env.reset(options={"request": i})
-            done = False
-            while not done:
-                vec, _, term, trunc, _ = env.step(act(vec))
-                done = term or trunc
-            reqs.append(list(env.session.results()[0].rounds))
-        out.append(row(label, workload, cost, reqs, backend="live", replay_committed_per_cost=same))
-    env.close()
-    return out

@@ -19,16 +19,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ctrl.config import MainConf
-from ctrl.pipeline import evaluate, train, train_steps
+from ctrl.evaluation import evaluate
+from ctrl.pipeline import train, train_steps
 from engine.paths import cache_dir
 
-POLICY_CACHE_VERSION = 14  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card,
+POLICY_CACHE_VERSION = 15  # bump when a cached policy would differ (2: calibrated observations, 3: numpy actor card,
 # 4: AggreVaTe warm-started by behaviour cloning, best iteration kept, 5: the probe observation, 6: one-token rounds'
 # overlap not observed, 7: the probed match's source, 8: one robust single-token forward fit for K = 0 and T_AR,
 # 9: the context probe for drafters without a probe, 10: learned policies pay their choice, algo.price_choice,
 # 11: the measured cost's warm-up surcharge, AggreVaTe's Q by (position, round index), 12: its switching
 # surcharge, the round state's previous kind, 13: the card's probe_source, a lookup policy's plain rounds unasked,
-# 14: the choice's cooling, the one-token host rounds apart by their medians)
+# 14: the choice's cooling, the one-token host rounds apart by their medians, 15: algo.hold_rounds / hold_after)
 
 
 LOGGING_ONLY = ("eval_every", "checkpoint_every", "vec_env")  # AlgoConf fields that leave the trained policy as is

@@ -153,13 +153,14 @@ def measure(conf: MainConf, traces: dict[str, Any], cost_name: str, repeats: int
                 if progress is not None:
                     progress(1)
         # a learned policy replays as the evaluation replays it: where it pays its probe and its choice, as it runs
-        learned_envs = {p: replay_env(trace, cost, grid_of(conf), test_ids, calibration, acceptance, probe=p,
-                                      choice=conf.algo.price_choice)
-                        for p in {bool(kw["policy"].probe) for _, kw in runs.values() if "policy" in kw}}  # fmt: skip
+        learned_envs = {(p, h): replay_env(trace, cost, grid_of(conf), test_ids, calibration, acceptance, probe=p,
+                                           choice=conf.algo.price_choice, hold=h)
+                        for p, h in {(bool(kw["policy"].probe), kw["policy"].hold) for _, kw in runs.values()
+                                     if "policy" in kw}}  # fmt: skip
         actors = {}
         for k, (_, kw) in runs.items():
             if k != BARE:
-                e = learned_envs[bool(kw["policy"].probe)] if "policy" in kw else env
+                e = learned_envs[bool(kw["policy"].probe), kw["policy"].hold] if "policy" in kw else env
                 actors[k] = (e, static_runner(e, idx) if "policy" not in kw else frozen_runner(kw["policy"], e))
         replayed = {k: run_requests(e, test_ids, a, "index") for k, (e, a) in actors.items()}
         replay = {k: summarize(reqs).speedup_vs_ar for k, reqs in replayed.items()}

@@ -30,6 +30,9 @@ context probe (engine.runtime.context_probe) and every round pays it (the cost m
 Choice (`choice=True`): every round also pays a learned controller's choice (the cost model's `choice`, whatever the
 kind: the caller chooses, outside the env's timing), in `cost` and `info["cost_choice"]`. As in expertspec/Replay-v0.
 
+Hold (`hold=Hold(rounds, after)`, engine.runtime.hold): a step whose action starts a hold also runs the plain rounds
+held after it, neither probed nor paying the choice, as a deployed policy with that hold runs them. As in Replay-v0.
+
 Sampling: greedy, or drafter-invariant seeded sampling (`sampling={"temperature": 0.7, "mode":
 "position", "seed": s}`; request i uses seed s + i, as env.record does), so a live episode's text
 matches its trace.
@@ -51,6 +54,7 @@ import engine
 from engine.cost.node_router import NodeRouter, child_key
 from engine.cost.switching import NONE, kind_of
 from engine.runtime.action_grid import ActionGrid
+from engine.runtime.hold import Hold
 from engine.runtime.observation import OBS_DIM, observe
 from engine.runtime.stats import RoundStats
 from engine.spec.draft_tree import DraftTree
@@ -67,6 +71,7 @@ from env.costs import (
     make_cost_model,
     uses_recorded_routing,
 )
+from env.held import merge_infos
 from env.models import load_models
 from env.replay import as_cost_conf
 from env.tables import footprint_of, pairs_int
@@ -141,9 +146,13 @@ class LiveEnv(gym.Env):
         models: tuple | None = None,
         probe: bool = False,
         choice: bool = False,
+        hold: Hold | dict | None = None,
     ) -> None:
         super().__init__()
         grid = as_grid(grid)
+        self.hold = Hold.of(hold)
+        self._holding = False  # playing a held round (engine.runtime.hold): no choice to price
+        self._probe_now: list[float] = []  # this round's probe values, as the observation holds them
         self.codec = ActionCodec(grid, action_kind)
         self.action_space = self.codec.space
         measured = (cost == "measured") or (isinstance(cost, Mapping) and cost.get("kind") == "measured")
@@ -260,7 +269,7 @@ class LiveEnv(gym.Env):
                     cost = replace(cost, draft=cost.draft + self.cost_model.context_probe(ctx))
                 elif kd == 0:  # the drafter's own probe: a round that then drafted nothing
                     cost = replace(cost, draft=cost.draft + self.cost_model.probe(ctx, min(K, remaining - 1), W))
-        if self.choice_seconds:  # the caller's choice before the round, priced (module docstring)
+        if self.choice_seconds and not self._holding:  # the caller's choice before the round (module docstring)
             cost = replace(cost, choice=self.choice_seconds)
         if not self.measured:  # a request's first rounds after its prefill, as env.replay prices them; T_AR at its
             # position: plain decoding's round there (engine.cost.warmup)
@@ -317,6 +326,7 @@ class LiveEnv(gym.Env):
                 self._latent[rid] = self.router.latent([self._key[rid]], None)[0]
         self._actions: list[list[int]] = []
         self._rewards: list[float] = []
+        self._held: list[bool] = []  # per round: held unasked (engine.runtime.hold)
         self._stats: list[RoundStats] = []
         return self._observe(), {
             "request": first,
@@ -330,7 +340,7 @@ class LiveEnv(gym.Env):
         s = self.session
         rid = s.active[0] if s.active else 0
         req = s.requests[rid]
-        probe = s.probe(rid, *self.probe) if self.probe is not None and s.active else []
+        probe = self._probe_now = s.probe(rid, *self.probe) if self.probe is not None and s.active else []
         obs = observe(
             req.rounds,
             position=len(req.new_tokens),
@@ -352,6 +362,29 @@ class LiveEnv(gym.Env):
         else:
             idx = self.codec.decode(action)
             spec = self.grid.spec(idx)
+        reward, info = self._round(spec, idx)
+        held = self.hold.held(spec.depth, self._probe_now) if self.hold else 0
+        if held:  # the plain rounds held unasked after it (engine.runtime.hold), neither probed nor chosen
+            infos = [info]
+            self._holding = True
+            try:
+                while held and not self.session.done:
+                    r, i = self._round(spec, idx)
+                    reward += r
+                    infos.append(i)
+                    held -= 1
+            finally:
+                self._holding = False
+            info = merge_infos(infos)
+        s = self.session
+        done = s.done
+        terminated = done and all(s.requests[i].finish_reason == "eos" for i in range(len(s.requests)))
+        truncated = done and not terminated
+        obs = self._observe() if not done else self._final_obs(self._stepped[0])
+        return obs, reward, terminated, truncated, info
+
+    def _round(self, spec: Any, idx: Any) -> tuple[float, dict[str, Any]]:
+        """One round of `spec` for the batch: (reward, info); a held round (`self._holding`) pays no choice."""
         s = self.session
         active = list(s.active)
         before = {rid: list(s.requests[rid].tokens) for rid in active}
@@ -377,12 +410,10 @@ class LiveEnv(gym.Env):
         reward = committed - cost.total / cost.ar
         self._actions.append(idx if isinstance(idx, engine.SpecConfig) else list(idx))
         self._rewards.append(reward)
+        self._held.append(self._holding)
         self._stats.extend(stats)
-        done = s.done
+        self._stepped = active
         first = s.requests[active[0]]
-        terminated = done and all(s.requests[i].finish_reason == "eos" for i in range(len(s.requests)))
-        truncated = done and not terminated
-        obs = self._observe() if not done else self._final_obs(active[0])
         st0 = stats[0]
         info = {
             "committed": committed,
@@ -404,7 +435,8 @@ class LiveEnv(gym.Env):
         }
         if self.measured:
             info["measured_seconds"] = st0.round_seconds
-        return obs, reward, terminated, truncated, info
+        info["held"] = int(self._holding)
+        return reward, info
 
     def _final_obs(self, rid: int) -> np.ndarray:
         L, _, r = self.routing_shape
@@ -479,7 +511,8 @@ class LiveEnv(gym.Env):
             "target_digest": self.info_models.target_digest,
             "drafter_digest": self.info_models.drafter_digest,
             "request": self.request,
-            "actions": [a if isinstance(a, engine.SpecConfig) else list(a) for a in self._actions],
+            "actions": [a if isinstance(a, engine.SpecConfig) else list(a) for a in self._actions],  # per round
+            "held": list(self._held),
             "rewards": list(self._rewards),
             "committed": [s.committed for s in self._stats],
             "accepted": [s.accepted for s in self._stats],

@@ -42,7 +42,11 @@ Constructor (all optional): trace (path / Trace; default: env.default.default_tr
 widths must be recorded in the trace), action_kind, cost (env.costs.CostConf or its fields), routing ("auto" |
 "recorded" | "synthetic"), calibration (confidence -> P(accepted)), acceptance
 (engine.drafting.acceptance.AcceptanceModel of the grid's "calibrated" verification rule), requests (indices to draw
-from), target_digest / drafter_digest (checked against the trace), probe and choice (above).
+from), target_digest / drafter_digest (checked against the trace), probe and choice (above), hold (below).
+
+Hold (`hold=Hold(rounds, after)`, engine.runtime.hold): a step whose action starts a hold also plays the plain rounds
+held after it, priced as the tables price them (neither the probe nor the choice), as a deployed policy with that hold
+runs them; the step's reward is the rounds' sum, its info theirs merged (env.held; `info["held"]` counts them).
 `validate(state)` replays a recorded episode state (`episode_state()`, or one from the live env).
 
 A cost with a warm-up (the fitted kind, engine.cost.warmup) charges each round by its index (`info["cost_warmup"]`),
@@ -72,12 +76,14 @@ from engine.drafting.acceptance import AcceptanceModel
 from engine.drafting.suffix import match_source
 from engine.runtime.action_grid import ActionGrid
 from engine.runtime.context_probe import ContextProbe
+from engine.runtime.hold import Hold
 from engine.runtime.observation import OBS_DIM, History, observation_vector, observe_history, probe_values
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
 from env.cost_offload import pairs_mask
 from env.costs import CostConf, drafter_probes, make_cost_model, uses_recorded_routing
+from env.held import merge_infos
 from env.shared import view
 from env.tables import PositionReplayer, ReplayTables, load_or_build_tables, routing_for
 from env.trace import Trace, load_trace
@@ -164,10 +170,14 @@ class ReplayEnv(gym.Env):
         cache: bool = True,
         probe: bool = False,
         choice: bool = False,
+        hold: Hold | dict | None = None,
     ) -> None:
         super().__init__()
         cost_conf = as_cost_conf(cost)
         grid = as_grid(grid)
+        self.hold = Hold.of(hold)
+        if self.hold and 0 not in grid.depths:
+            raise ValueError(f"hold {self.hold.to_dict()} holds plain decoding: the grid needs depth 0 ({grid.depths})")
         if routing not in ("auto", "recorded", "synthetic"):
             raise ValueError(f"routing must be 'auto', 'recorded' or 'synthetic', got {routing!r}")
         self.codec = ActionCodec(grid, action_kind)  # validates action_kind before any work
@@ -201,6 +211,7 @@ class ReplayEnv(gym.Env):
         self.tables: ReplayTables = load_or_build_tables(
             trace, grid, self.cost_model, self.routing, cost_conf.router_seed, cache, acceptance=acceptance
         )
+        self._plain_tables = self.tables  # a held round's price: neither probe nor choice (engine.runtime.hold)
         self.probe: tuple[int, int] | None = None  # (depth, width) of the probed tree
         self._probe_rows: list[list[float]] | None = None
         if probe:
@@ -275,6 +286,9 @@ class ReplayEnv(gym.Env):
         self._tpe = t.o_tokens_per_expert if t.o_tokens_per_expert.size else None
         self._outcome, self._cost, self._draft = (view("list", a, as_list) for a in (t.outcome, t.cost, t.draft_cost))
         self._ar = view("list", t.ar, as_list)
+        base = self._plain_tables
+        self._cost_plain, self._draft_plain = view("list", base.cost, as_list), view("list", base.draft_cost, as_list)
+        self._plain = (self.grid.depths.index(0), 0, 0, 0) if 0 in self.grid.depths else None
         self._specs = {}
         self.routing_shape = tuple(self.cost_model.routing_shape)
         self._stateful = bool(self.cost_model.stateful)
@@ -338,6 +352,7 @@ class ReplayEnv(gym.Env):
         self._prev_pairs: int | None = None
         self._actions: list[list[int]] = []
         self._rewards: list[float] = []
+        self._held: list[bool] = []  # per round: held unasked (engine.runtime.hold)
         self.total_cost = 0.0
         if self._stateful:
             self._device_cache = self.cost_model.new_state()  # empty at the start of every episode
@@ -377,6 +392,25 @@ class ReplayEnv(gym.Env):
     def step(self, action: Any):
         if self.request is None or self.position >= self._T:
             raise RuntimeError("call reset() before step() (and again after an episode ends)")
+        hold = self.hold
+        probe = self._probed() if hold else ()
+        reward, info = self._round(action)
+        held = hold.held(self.rounds[-1].depth, probe) if hold else 0
+        if held:  # the plain rounds held unasked after it (engine.runtime.hold), neither probed nor chosen
+            plain = self._actions[-1] if not isinstance(self._actions[-1], SpecConfig) else self._plain
+            infos = [info]
+            while held and self.position < self._T:
+                r, i = self._round(self.codec.encode(plain), held=True)
+                reward += r
+                infos.append(i)
+                held -= 1
+            info = merge_infos(infos)
+        done = self.position >= self._T
+        return self._vector(), reward, done and self._finish_eos, done and not self._finish_eos, info
+
+    def _round(self, action: Any, held: bool = False) -> tuple[float, dict[str, Any]]:
+        """One round of `action` at the current position: (reward, info); `held`: a held plain round, priced without
+        the probe and the choice (the tables' own cost)."""
         p = self._p0 + self.position
         if isinstance(action, SpecConfig):  # any SpecConfig the trace covers (heuristic policies), not precomputed
             rec, cost, draft, ar = self._off_grid(action, p)
@@ -391,7 +425,10 @@ class ReplayEnv(gym.Env):
             idx = self.codec.decode(action)
             a = self.codec.flat(idx)
             o = self._outcome[p][a]
-            cost, ar, draft = self._cost[p][a], self._ar[p], self._draft[p][a]
+            if held:
+                cost, ar, draft = self._cost_plain[p][a], self._ar[p], self._draft_plain[p][a]
+            else:
+                cost, ar, draft = self._cost[p][a], self._ar[p], self._draft[p][a]
             k, width, lam, rule = self._spec_fields(idx)
             built, acc, com, n, tried = self._built[o], self._acc[o], self._com[o], self._n[o], self._tried[o]
             pairs, popcount, rej = self._pairs[o], self._popcount[o], self._rej[o]
@@ -402,7 +439,7 @@ class ReplayEnv(gym.Env):
             L, E, _ = self.routing_shape
             transfer = self.cost_model.transfer(int(self._device_cache.access(pairs_mask(pairs, L, E)).sum()))
             verify = verify + transfer
-            cost = draft + verify + book + self.choice_cost
+            cost = draft + verify + book + (0.0 if held else self.choice_cost)
         warm = self._warmup.at(len(self.rounds))  # the request's first rounds after its prefill (engine.cost.warmup)
         switch = self._switch.at(kind_of(self.rounds[-1].verified_tokens) if self.rounds else NONE, n > 1)
         cost = cost + warm + switch  # in RoundCost.total's order: replay == live to the bit
@@ -443,10 +480,7 @@ class ReplayEnv(gym.Env):
         reward = com - cost / ar
         self._actions.append(list(idx) if not isinstance(idx, SpecConfig) else idx)
         self._rewards.append(reward)
-        done = self.position >= self._T
-        terminated = done and self._finish_eos
-        truncated = done and not self._finish_eos
-        obs = self._vector()
+        self._held.append(held)
         info = {
             "committed": com,
             "accepted": acc,
@@ -456,7 +490,7 @@ class ReplayEnv(gym.Env):
             "cost_draft": draft,
             "cost_verify": verify,
             "cost_book": book,
-            "cost_choice": self.choice_cost,
+            "cost_choice": 0.0 if held else self.choice_cost,
             "cost_warmup": warm,
             "cost_switch": switch,
             "cost_ar": ar,
@@ -464,8 +498,9 @@ class ReplayEnv(gym.Env):
             "utility": com * ar / cost,
             "position": self.position,
             "request": self.request,
+            "held": int(held),
         }
-        return obs, reward, terminated, truncated, info
+        return reward, info
 
     # ------------------------------------------------------------------ states and validation
     def episode_state(self) -> dict[str, Any]:
@@ -474,7 +509,8 @@ class ReplayEnv(gym.Env):
             "env": "expertspec/Replay-v0",
             "trace": self.trace.digest,
             "request": self.request,
-            "actions": [a if isinstance(a, SpecConfig) else list(a) for a in self._actions],
+            "actions": [a if isinstance(a, SpecConfig) else list(a) for a in self._actions],  # per round
+            "held": list(self._held),
             "rewards": list(self._rewards),
             "committed": [s.committed for s in self.rounds],
             "accepted": [s.accepted for s in self.rounds],
@@ -496,9 +532,11 @@ class ReplayEnv(gym.Env):
         self.reset(options={"request": req})
         mismatches = []
         fields_exact = ("committed", "accepted", "distinct_experts")
-        for i, a in enumerate(state["actions"]):
+        held = state.get("held") or [False] * len(state["actions"])
+        for i, a in enumerate(state["actions"]):  # round by round, a held round as held (engine.runtime.hold)
             action = a if isinstance(a, SpecConfig) else self.codec.encode(a)
-            _, reward, term, trunc, info = self.step(action)
+            reward, _ = self._round(action, held=bool(held[i]))
+            term = trunc = self.position >= self._T
             s = self.rounds[-1]
             got = {"committed": s.committed, "accepted": s.accepted, "distinct_experts": list(s.distinct_experts)}
             for f in fields_exact:

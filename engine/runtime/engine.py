@@ -67,6 +67,8 @@ class _Request:
     finish_reason: str | None = None
     prev_pairs: torch.Tensor | None = None  # [L, E] bool experts of the previous round
     history: History = field(default_factory=History)  # the observation's running folds
+    held: int = 0  # rounds still to decode plainly unasked, a policy's hold (engine.runtime.hold)
+    held_spec: SpecConfig | None = None  # ... with the plain action that started it
 
     @property
     def cached_len(self) -> int:

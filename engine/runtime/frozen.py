@@ -6,12 +6,14 @@ A frozen policy folder (written by `ctrl.freeze.freeze`) holds
                   (observation normalisation folded in)
     policy.json   {"format": "expertspec-policy-v1", "obs_signature": OBS_SIGNATURE, "action_grid": {...},
                    "nvec": [...], "calibration": {isotonic knots} | null, "acceptance": {...} | null,
-                   "probe": [depth, width] | null, "probe_source": "drafter" | "context" | absent, "algo": ..., ...}
+                   "probe": [depth, width] | null, "probe_source": "drafter" | "context" | absent,
+                   "hold": {"rounds": n, "after": "plain" | "declined"} | absent, "algo": ..., ...}
 
 `load_frozen_policy(path)` returns a plain callable `obs -> SpecConfig` (deterministic: argmax per action
 dimension) that the engine takes as `policy=`; it refuses a policy made for another observation layout.
 A policy that observes its drafter's own probe (`probe_source` "drafter": the prompt lookup's) decodes plainly
 without asking its actor when the probe proposes nothing (`unproposed`): no action would draft anything then.
+Its `hold` (engine.runtime.hold; none when absent) is the plain decoding the session then holds unasked.
 The engine imports neither env nor ctrl: this loader lives beside the observation function.
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
+from engine.runtime.hold import Hold
 from engine.runtime.observation import (
     KMAX,
     OBS_DIM,
@@ -59,6 +62,7 @@ class FrozenPolicy:
         self.grid = ActionGrid.from_dict(card["action_grid"])
         self.nvec = list(card["nvec"])
         self.name = card.get("name", "learned")
+        self.hold = Hold.of(card.get("hold"))  # a bad entry: a clear error at load
         cal = card.get("calibration")
         self.calibration = IsotonicCalibration.from_dict(cal) if cal else None
         acc = card.get("acceptance")
@@ -265,6 +269,10 @@ def load_frozen_policy(path: str | os.PathLike) -> FrozenPolicy:
             f"{folder}: trained for observation layout {card.get('obs_signature')!r}, but this engine computes "
             f"{OBS_SIGNATURE!r} ({OBS_DIM} features); retrain the policy (`python -m ctrl.train`)"
         )
+    try:
+        Hold.of(card.get("hold"))
+    except ValueError as err:
+        raise ValueError(f"{card_path}: {err}") from None
     return FrozenPolicy(torch.jit.load(str(module_path), map_location="cpu"), card)
 
 

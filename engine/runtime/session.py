@@ -17,7 +17,9 @@ Observation, with its observation vector when the policy has `act_vector`, or wi
 values, as its observation's `confidence_now` and `match_now`: from a drafter that has `probe`, else from the
 context probe, the prompt lookup over the request's tokens, engine.runtime.context_probe); a
 list with one action per active request; or a dict {request id: action}, which steps only the requests it
-names (the others wait a round). An action is anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)).
+names (the others wait a round). A policy with a `hold` (engine.runtime.hold) that chooses plain decoding may hold
+it: the request's next rounds then decode plainly, neither probed nor asked (a failed step puts holds back too).
+An action is anything `coerce_action` takes (SpecConfig, dict, (K, W, λ)).
 Every action is validated before any work of the step, so a bad action leaves the session
 as it was (`check_action` validates one ahead of time).
 
@@ -46,11 +48,18 @@ import torch
 
 from engine.models.kv_cache import KVCacheFull
 from engine.runtime.context_probe import ContextProbe
+from engine.runtime.hold import Hold
 from engine.runtime.observation import KMAX, History, Observation, observation_values, probe_values, probe_values_of
 from engine.runtime.policy import Policy, coerce_action
 from engine.runtime.stats import GenerationResult, RoundStats
 from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams, make_generator
+
+
+def _unhold(held: list[tuple[Any, int, SpecConfig | None]]) -> None:
+    """Put the requests' holds back as they were before a failed step's choice."""
+    for r, n, spec in held:
+        r.held, r.held_spec = n, spec
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,7 @@ class Session:
         make = getattr(policy, "chooser", None)
         self._chooser = make(engine.calibration) if make is not None else None
         self._checked: dict[int, SpecConfig] = {}
+        self._hold = Hold.of(getattr(policy, "hold", None))  # plain decoding held unasked (engine.runtime.hold)
         # the prompt lookup probing for a drafter without a probe (engine.runtime.context_probe), built before a round
         drafter = engine.drafter
         self._context = ContextProbe() if drafter is not None and getattr(drafter, "probe", None) is None else None
@@ -240,7 +250,12 @@ class Session:
         # the choice's hot path, and what runs here before the choose call is charged to it)
         fused = self._probe_with_source if shape and depth > 0 and width > 0 else None
         specs = []
+        hold = self._hold
         for r in active:
+            if r.held:  # a held round: plain decoding, neither probed nor asked (engine.runtime.hold)
+                r.held -= 1
+                specs.append(r.held_spec)
+                continue
             t0 = clock()
             if fused is not None:
                 cap = r.max_new - len(r.new_tokens) - 1
@@ -263,6 +278,8 @@ class Session:
                     checked[id(action)] = action  # kept alive here, so its id is never reused meanwhile
             specs.append(spec)
             seconds[r.index] = clock() - t0 - probed.get(r.index, 0.0)
+            if hold and spec.depth == 0:
+                r.held, r.held_spec = hold.held(0, probe), spec
         return specs
 
     def check_action(self, action: Any) -> SpecConfig:
@@ -281,9 +298,17 @@ class Session:
                 return active, self._chosen(active)
             specs = []
             for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds (the probe apart)
+                if r.held:  # a held round (engine.runtime.hold)
+                    r.held -= 1
+                    specs.append(r.held_spec)
+                    continue
                 t0 = time.perf_counter()
-                specs.append(self.check_action(self._choose(r)))
+                shape = self._probe_shape
+                probe = self._probe(r, *shape) if shape else []
+                specs.append(self.check_action(self._decide(r, probe)))
                 self._policy_seconds[r.index] = time.perf_counter() - t0 - self._probe_seconds.get(r.index, 0.0)
+                if self._hold and specs[-1].depth == 0:
+                    r.held, r.held_spec = self._hold.held(0, probe), specs[-1]
             return active, specs
         if isinstance(actions, Mapping):
             ids = set(self.active)
@@ -315,14 +340,20 @@ class Session:
             return []
         started = time.perf_counter()  # the step's host work counts from here (RoundStats.host_seconds)
         self._policy_seconds.clear()
+        held = [(r, r.held, r.held_spec) for r in self._active]  # the choice below may start or count down holds
         # probes made since the last step (`probe`, or the policy's choice below) belong to this step's rounds
-        active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
+        try:
+            active, specs = self._specs(actions)  # validated before any work: a bad action leaves the session usable
+        except Exception:
+            _unhold(held)
+            raise
         saved = [_Saved.of(r) for r in active]
         probing = {r.index: self._probe_seconds.pop(r.index) for r in active if r.index in self._probe_seconds}
         try:
             self.engine._step(active, self.kv, specs, started=started, choosing=sum(self._policy_seconds.values()),
                               probing=probing)  # fmt: skip
         except Exception as err:
+            _unhold(held)
             self._roll_back(active, saved, err)
             raise
         except BaseException as err:
