@@ -88,6 +88,7 @@ def test_a_failed_step_puts_the_holds_back(monkeypatch):
         real = eng._step
         while s.active:
             if n == fail_at:
+
                 def boom(*a, **k):
                     raise RuntimeError("injected")
 

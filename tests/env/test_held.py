@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import SMALL_GRID  # noqa: E402  (tests/env is on sys.path while pytest runs its conftest)
 
 from engine.cost.switching import SwitchCost
 from engine.cost.warmup import WarmupCost
 from engine.runtime.hold import Hold
 from env.cost_model import CostModel
 from env.replay import ReplayEnv
-from conftest import SMALL_GRID  # noqa: E402  (tests/env is on sys.path while pytest runs its conftest)
 
 
 def _env(trace, hold=None, learned=True):
@@ -51,7 +51,7 @@ def test_a_held_step_plays_the_held_rounds_without_probe_and_choice(ngram_trace,
 
 
 def test_declined_holds_only_where_the_probe_proposed(ngram_trace):
-    """"declined": a K = 0 step holds exactly where this round's probe values proposed a draft."""
+    """ "declined": a K = 0 step holds exactly where this round's probe values proposed a draft."""
     env = _env(ngram_trace, Hold(2, "declined"))
     seen = set()
     for i in range(ngram_trace.num_requests):
