@@ -143,8 +143,7 @@ def _check_algo(a: Any) -> None:
 
 def _check_regimes(conf: MainConf) -> None:
     """The offload / EP options of every cost model, checked by building its cost model on the spec alone."""
-    from env.costs import make_cost_model
-    from env.replay import as_cost_conf
+    from env.costs import as_cost_conf, make_cost_model
 
     for c in conf.costs:
         if c.kind in ("roofline-offload", "roofline-ep") and c.model_spec != "target":

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,22 @@ def drafter_steps(depth_cap: int, built_depth: int, spec: Any) -> int:
     if spec.verify_rule in ("threshold", "calibrated"):
         return min(depth_cap, built_depth + 1)
     return depth_cap
+
+
+def as_cost_conf(cost: CostConf | dict | str | None) -> CostConf:
+    if cost is None:
+        return CostConf()
+    if isinstance(cost, CostConf):
+        return cost
+    if isinstance(cost, str):
+        return CostConf(kind=cost)
+    if isinstance(cost, Mapping):
+        known = {f.name for f in fields(CostConf)}
+        unknown = sorted(set(cost) - known)
+        if unknown:
+            raise ValueError(f"unknown cost fields {unknown}; CostConf has {sorted(known)}")
+        return CostConf(**cost)
+    raise TypeError(f"cost must be a CostConf, a dict of its fields, a kind name or None, got {type(cost).__name__}")
 
 
 class FittedCostModel(CostModel):

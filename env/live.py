@@ -57,15 +57,16 @@ from engine.runtime.action_grid import ActionGrid
 from engine.runtime.hold import Hold
 from engine.runtime.observation import OBS_DIM, observe
 from engine.runtime.stats import RoundStats
-from engine.spec.draft_tree import DraftTree
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
 from env.actions import ActionCodec, as_grid
+from env.capture import CaptureDrafter
 from env.cost_model import CHOICE_HOST_SECONDS
 from env.costs import (
     REPLAY_ONLY_KINDS,
     CostConf,
     RoundCost,
+    as_cost_conf,
     draft_rule,
     drafter_steps,
     make_cost_model,
@@ -73,48 +74,9 @@ from env.costs import (
 )
 from env.held import merge_infos
 from env.models import load_models
-from env.replay import as_cost_conf
 from env.tables import footprint_of, pairs_int
 
 Calibration = Callable[[float, int], float]
-
-
-class CaptureDrafter:
-    """A Drafter that delegates to another and remembers the trees it returned (the verified trees)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.trees: dict[int, DraftTree] = {}
-
-    @property
-    def predicts_experts(self) -> bool:
-        return bool(getattr(self.inner, "predicts_experts", False))
-
-    def prepare(self, lengths: list[int]) -> None:
-        self.inner.prepare(lengths)
-
-    def start(self, seq_id, tokens, target_hidden=None) -> None:
-        self.inner.start(seq_id, tokens, target_hidden=target_hidden)
-
-    def draft(self, seq_id, tokens, spec, params, generator) -> DraftTree:
-        return self.draft_many([(seq_id, tokens, spec, params, generator)])[0]
-
-    def draft_many(self, requests):
-        trees = self.inner.draft_many(requests)
-        for req, tree in zip(requests, trees):
-            self.trees[req[0]] = tree
-        return trees
-
-    def commit(self, seq_id, tokens, tree, accepted, target_hidden=None) -> None:
-        self.inner.commit(seq_id, tokens, tree, accepted, target_hidden=target_hidden)
-
-    def finish(self, seq_id) -> None:
-        self.inner.finish(seq_id)
-
-    def __getattr__(self, name: str) -> Any:  # `probe` and the like, where the inner drafter has them
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 class LiveEnv(gym.Env):

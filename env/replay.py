@@ -60,9 +60,7 @@ from __future__ import annotations
 
 import copy
 import math
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,65 +71,21 @@ from gymnasium import spaces
 
 from engine.cost.switching import NONE, kind_of
 from engine.drafting.acceptance import AcceptanceModel
-from engine.drafting.suffix import match_source
 from engine.runtime.action_grid import ActionGrid
-from engine.runtime.context_probe import ContextProbe
 from engine.runtime.hold import Hold
 from engine.runtime.observation import OBS_DIM, History, observation_vector, observe_history, probe_values
 from engine.runtime.stats import RoundStats
 from engine.spec.config import SpecConfig
 from env.actions import ActionCodec, as_grid
 from env.cost_offload import pairs_mask
-from env.costs import CostConf, drafter_probes, make_cost_model, uses_recorded_routing
+from env.costs import CostConf, as_cost_conf, drafter_probes, make_cost_model, uses_recorded_routing
 from env.held import merge_infos
+from env.probes import context_probes, probed_sources
 from env.shared import view
 from env.tables import PositionReplayer, ReplayTables, load_or_build_tables, routing_for
 from env.trace import Trace, load_trace
 
 Calibration = Callable[[float, int], float]
-
-
-def as_cost_conf(cost: CostConf | dict | str | None) -> CostConf:
-    if cost is None:
-        return CostConf()
-    if isinstance(cost, CostConf):
-        return cost
-    if isinstance(cost, str):
-        return CostConf(kind=cost)
-    if isinstance(cost, Mapping):
-        known = {f.name for f in fields(CostConf)}
-        unknown = sorted(set(cost) - known)
-        if unknown:
-            raise ValueError(f"unknown cost fields {unknown}; CostConf has {sorted(known)}")
-        return CostConf(**cost)
-    raise TypeError(f"cost must be a CostConf, a dict of its fields, a kind name or None, got {type(cost).__name__}")
-
-
-def _prefixes(trace: Trace) -> Iterator[tuple[list[int], int]]:
-    """Per position [P], in order: (the prompt and the committed tokens before it, the prompt's length)."""
-    for i in range(trace.num_requests):
-        prompt = [int(x) for x in trace.prompt(i)]
-        tokens = prompt + [int(x) for x in trace.continuation_of(i)]
-        P = len(prompt)
-        for t in range(len(trace.positions_of(i))):
-            yield tokens[: P + t], P
-
-
-def probed_sources(trace: Trace) -> list[tuple[float, float]]:
-    """Per position [P]: where the prompt lookup's match at that position comes from, (recency, in_output) of
-    engine.drafting.suffix.match_source over the prompt and the committed tokens before it — what
-    `NGramDrafter.probed_source` gives a deployed policy (the drafter's n-gram bounds from its digest)."""
-    m = re.search(r"max(\d+)-min(\d+)", str(trace.meta["drafter"].get("digest", "")))
-    hi, lo = (int(m.group(1)), int(m.group(2))) if m else (4, 1)
-    return [match_source(tokens, P, hi, lo) for tokens, P in _prefixes(trace)]
-
-
-def context_probes(trace: Trace, depth: Sequence[int], width: int) -> list[list[float]]:
-    """Per position [P]: the context probe's values (engine.runtime.context_probe: the prompt lookup over the prompt
-    and the committed tokens before it, a `depth[p]` × `width` tree; [] where depth[p] <= 0), what `Session.probe`
-    gives a deployed policy whose drafter has no probe."""
-    probe = ContextProbe()
-    return [probe.probe(tokens, P, int(d), width) for (tokens, P), d in zip(_prefixes(trace), depth, strict=True)]
 
 
 def check_grid_against_trace(grid: ActionGrid, trace: Trace) -> None:

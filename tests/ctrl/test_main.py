@@ -174,7 +174,7 @@ def _probe_policy_deploys_exactly(path: Path, tmp_path: Path, drafter: tuple = (
     the Observation, and greedy output equals target-only output."""
     from engine.runtime.observation import KMAX
     from env.models import load_models
-    from env.replay import context_probes, probed_sources
+    from env.probes import context_probes, probed_sources
     from env.trace import load_trace
 
     policy = load_frozen_policy(path)

@@ -198,7 +198,7 @@ def test_replay_equals_live_with_the_lookup_s_probe(ngram_models, ngram_trace):
     (probed_sources), both equal to live's; and a round that then drafts nothing pays the probe's price in both
     (K = 0 rounds dearer than without the probe, drafted rounds not)."""
     from engine.runtime.observation import KMAX
-    from env.replay import probed_sources
+    from env.probes import probed_sources
 
     trace = ngram_trace
     cost = COSTS["roofline-qwen3-30b"]
