@@ -338,7 +338,7 @@ def _select_hold(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, gri
                  acceptance: Any, paths: list[Path], probe: bool) -> list[Path]:  # fmt: skip
     """With conf.algo.hold_select: the hold (engine.runtime.hold) the trained policies deploy with, chosen on the
     training prompts among their trained one and every candidate (ctrl.hold_select), written into their cards."""
-    if not conf.algo.hold_select:
+    if not conf.algo.hold_select or not paths:
         return paths
     from ctrl.hold_select import candidates, set_card_hold
 
