@@ -81,8 +81,10 @@ def evaluate(
         # their choice priced (conf.algo.price_choice)
         learned_envs: dict[tuple, Any] = {}
 
-        def learned_env(probe: bool, hold: Hold = NO_HOLD, envs=learned_envs, trace=trace) -> Any:
+        def learned_env(probe: bool, hold: Hold = NO_HOLD, envs=learned_envs, trace=trace, env=env) -> Any:
             key = (probe, hold)
+            if not (probe or conf.algo.price_choice or hold):  # nothing to price apart: the rules' env
+                return env
             if key not in envs:
                 envs[key] = replay_env(trace, cost, grid, calibration=calibration, acceptance=acceptance, probe=probe,
                                        choice=conf.algo.price_choice, hold=hold)  # fmt: skip

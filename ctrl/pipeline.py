@@ -320,7 +320,7 @@ def train(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, out_dir: P
     for probe in variants:
         label = "context-probe" if probe else "no-probe"
         trained[label] = run(probe, home / "variants" / label)
-        fits[label] = _train_fit(conf, traces, cost, grid, calibration, acceptance, trained[label], probe)
+        fits[label] = _train_fit(conf, traces, cost, grid, calibration, acceptance, _frozen(trained[label]), probe)
     best = max(fits, key=lambda k: fits[k])
     home.mkdir(parents=True, exist_ok=True)
     (home / "probe_selection.json").write_text(json.dumps({"selected": best, "train_committed_per_cost": fits}))
@@ -342,8 +342,8 @@ def _select_hold(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, gri
         return paths
     from ctrl.hold_select import candidates, set_card_hold
 
-    trained = hold_of(conf.algo)
-    fits = {h: _train_fit(conf, traces, cost, grid, calibration, acceptance, paths, probe, h)
+    trained, frozen = hold_of(conf.algo), _frozen(paths)
+    fits = {h: _train_fit(conf, traces, cost, grid, calibration, acceptance, frozen, probe, h)
             for h in candidates(trained, conf.algo.hold_select)}  # fmt: skip
     best = max(fits, key=lambda h: fits[h])  # ties: the first, the trained hold
     for path in paths:
@@ -354,13 +354,17 @@ def _select_hold(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, gri
     return paths
 
 
-def _train_fit(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid: ActionGrid, calibration: Any,
-               acceptance: Any, paths: Sequence[Path], probe: bool, hold: Hold | None = None) -> float:  # fmt: skip
-    """Geometric mean over workloads and seeds of the frozen policies' committed per cost on the training prompts
-    (deployed with `hold`, default the trained one)."""
+def _frozen(paths: Sequence[Path]) -> list[Any]:
+    """The frozen policies at `paths`."""
     from engine.runtime.frozen import load_frozen_policy
 
-    frozen = [load_frozen_policy(p) for p in paths]
+    return [load_frozen_policy(p) for p in paths]
+
+
+def _train_fit(conf: MainConf, traces: dict[str, Any], cost: CostSpecConf, grid: ActionGrid, calibration: Any,
+               acceptance: Any, frozen: Sequence[Any], probe: bool, hold: Hold | None = None) -> float:  # fmt: skip
+    """Geometric mean over workloads and seeds of the frozen policies' committed per cost on the training prompts
+    (deployed with `hold`, default the trained one)."""
     vals = []
     for n in sorted(traces):
         train_ids, _ = split(traces[n], conf)

@@ -61,10 +61,10 @@ def held_tables(env: Any, request: int) -> HeldTables | None:
     a0 = e.codec.flat(e._plain)
     plain = e._plain_tables.cost[p0 : p0 + T, a0]
     ar = e.tables.ar[p0 : p0 + T]
-    depth = np.array([e.grid.depths[e.codec.unflat(a)[0]] for a in range(e.codec.num_actions)])
+    plain_action = np.array([e.grid.depths[e.codec.unflat(a)[0]] == 0 for a in range(e.codec.num_actions)])  # [A]
     rows = e._probe_rows
-    starts = np.array([[hold.held(int(d), rows[p0 + t] if rows is not None else []) > 0 for d in depth]
-                       for t in range(T)], dtype=bool).reshape(T, len(depth))  # fmt: skip
+    holds = np.array([hold.held(0, rows[p0 + t] if rows is not None else []) > 0 for t in range(T)])  # [T]
+    starts = holds[:, None] & plain_action[None, :]
     st = round_states(e)
     S = st.size
     gain = np.zeros((T + 1, S))

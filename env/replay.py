@@ -351,10 +351,10 @@ class ReplayEnv(gym.Env):
         reward, info = self._round(action)
         held = hold.held(self.rounds[-1].depth, probe) if hold else 0
         if held:  # the plain rounds held unasked after it (engine.runtime.hold), neither probed nor chosen
-            plain = self._actions[-1] if not isinstance(self._actions[-1], SpecConfig) else self._plain
+            plain = self.codec.encode(self._plain)  # the grid's plain action, as env.held.HeldTables prices it
             infos = [info]
             while held and self.position < self._T:
-                r, i = self._round(self.codec.encode(plain), held=True)
+                r, i = self._round(plain, held=True)
                 reward += r
                 infos.append(i)
                 held -= 1

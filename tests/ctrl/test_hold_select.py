@@ -35,23 +35,26 @@ def _cards(tmp_path: Path, n: int = 3) -> list[Path]:
 
 
 def test_select_hold_keeps_the_best_on_the_training_prompts(tmp_path, monkeypatch):
-    """Each candidate is replayed on the training prompts (`_train_fit` with that hold); the best goes into every
-    card, the fits into hold_selection.json; a tie keeps the trained hold; an empty `hold_select` leaves the cards."""
+    """Each candidate is replayed on the training prompts (`_train_fit` with that hold, the policies loaded once); the
+    best goes into every card, the fits into hold_selection.json; a tie keeps the trained hold; an empty
+    `hold_select` leaves the cards."""
     paths = _cards(tmp_path)
     fits = {Hold(): 1.00, Hold(1, "plain"): 1.01, Hold(1, "declined"): 1.04, Hold(2, "plain"): 1.03,
             Hold(2, "declined"): 0.9}  # fmt: skip
     asked = []
 
-    def fit(conf, traces, cost, grid, cal, acc, ps, probe, hold):
+    def fit(conf, traces, cost, grid, cal, acc, frozen, probe, hold):
         asked.append(hold)
-        assert list(ps) == paths and probe is True
+        assert frozen == [f"frozen {p}" for p in paths] and probe is True  # loaded once, for every candidate
         return fits[hold]
 
+    loads = []
+    monkeypatch.setattr(pipeline, "_frozen", lambda ps: loads.append(list(ps)) or [f"frozen {p}" for p in ps])
     monkeypatch.setattr(pipeline, "_train_fit", fit)
     conf = MainConf()
     conf.algo.hold_select = [1, 2]
     assert pipeline._select_hold(conf, {}, None, None, None, None, paths, True) == paths
-    assert asked == list(fits)
+    assert asked == list(fits) and loads == [paths]
     for p in paths:
         assert json.loads((p / "policy.json").read_text())["hold"] == {"rounds": 1, "after": "declined"}
         assert not (p / "policy.json.tmp").exists()
