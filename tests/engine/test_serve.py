@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,8 +51,8 @@ class PoisonDrafter:
     """The zoo drafter, except that `commit` raises inside the batched step for a request whose prompt starts with
     POISON, after the requests before it in the batch have committed their round (a fault mid-step)."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.raised = inner, 0
+    def __init__(self, inner, gate: threading.Event | None = None) -> None:
+        self.inner, self.raised, self.gate = inner, 0, gate
         self.predicts_experts = inner.predicts_experts
 
     def __getattr__(self, name):
@@ -61,6 +62,8 @@ class PoisonDrafter:
         if tokens[0] == POISON:
             self.raised += 1
             raise RuntimeError("drafter exploded on purpose")
+        if self.gate is not None:  # the step waits until the test opens the gate (at most 60 s)
+            self.gate.wait(60)
         return self.inner.commit(seq_id, tokens, *args, **kwargs)
 
 
@@ -97,6 +100,13 @@ def _stream_ids(url: str, body: dict) -> list[int]:
                 assert "error" not in chunk, chunk
                 ids += chunk["choices"][0].get("token_ids") or []
     return ids
+
+
+def _wait_for(ready, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
 
 
 def _reference(target, prompt, n, **kw):
@@ -281,18 +291,32 @@ def test_a_request_whose_step_raises_fails_alone(zoo):
     lengths = [6 + (7 * i) % 17 for i in range(len(prompts))]
     bodies = [dict(prompt=p, max_tokens=n, temperature=0, return_token_ids=True) for p, n in zip(prompts, lengths)]
     culprit = dict(prompt=[POISON] + prompts[0][1:], max_tokens=20, temperature=0)
-    poison = PoisonDrafter(ModelDrafter(drafter))
+    gate = threading.Event()
+    poison = PoisonDrafter(ModelDrafter(drafter), gate)
     eng = engine.Engine(target, poison, num_blocks=160)
     sched = Scheduler(eng, target.tokenizer, spec=engine.SpecConfig(depth=3), max_batch=8, eos_token_id=EOS)
+    order = [0, 1, 2, len(bodies), *range(3, len(bodies))]  # the culprit 4th: others commit before it
 
-    def call(i: int):
+    def arrived() -> int:  # requests the scheduler holds (none finishes while the gate is shut)
+        with sched.cond:
+            return len(sched.queue) + len(sched.running)
+
+    def call(k: int):
+        # requests arrive one by one in `order` while the first step waits at the gate; once all are in, the gate
+        # opens and the culprit is admitted in FIFO order beside the requests before and after it, so its first
+        # step is a batched one, whatever the threads' timing
+        _wait_for(lambda: arrived() >= k, f"request {k} of {len(order)} to be queued")
+        i = order[k]
+        if k == len(order) - 1:
+            threading.Thread(target=lambda: (_wait_for(lambda: arrived() == len(order), "all requests"),
+                                             gate.set())).start()  # fmt: skip
         if i == len(bodies):
             return _complete(url, **culprit)
         return _stream_ids(url, bodies[i]) if i % 2 else _complete(url, **bodies[i])
 
     with _server(sched) as url, ThreadPoolExecutor(len(bodies) + 1) as pool:
-        order = [0, 1, 2, len(bodies), *range(3, len(bodies))]  # the culprit 4th: others commit before it
-        results = dict(zip(order, pool.map(call, order)))
+        results = dict(zip(order, pool.map(call, range(len(order)))))
+        assert gate.is_set()
         bad = results.pop(len(bodies))
         assert bad.status_code == 500, bad.text
         assert "generation failed for this request" in bad.json()["error"]["message"]
