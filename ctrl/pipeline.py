@@ -167,6 +167,7 @@ def record_traces(conf: MainConf, on_position: Callable[[], None] | None = None)
         confs.append(RecordConf(
             target=m.target, drafter=m.drafter, predictor=m.predictor, kmax=m.kmax, widths=list(m.widths),
             max_new_tokens=w.max_new_tokens, max_prompt_tokens=w.max_prompt_tokens,
+            policy_hidden=list(conf.algo.net_arch),  # the stand-in whose choice the measured cost prices
             workload=WorkloadConf(name="mixed" if is_file else name, n=w.train + w.test,
                                   prompts=name if is_file else None),
             sampling=SamplingConf(temperature=w.temperature), progress=False,

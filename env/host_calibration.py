@@ -16,7 +16,8 @@ rounds run as a probing policy runs them: `Session.probe` of the deepest, widest
 the prompt lookup's, or for a drafter without one the context probe, engine.runtime.context_probe), its seconds a
 sample of the probe's price (the recorder's own timing runs warm, right after its drafting: 10–11 µs against
 15–18 µs in place, session 2026-12-06 f); then a learned controller's choice, by a stand-in of its shape
-(engine.runtime.frozen.stand_in_policy: the main job's actor, random weights, K = 0 whatever it observes), whose
+(engine.runtime.frozen.stand_in_policy: the learned actor's layers, RecordConf.policy_hidden, random weights, K = 0
+whatever it observes), whose
 RoundStats.policy_seconds are the samples of what a learned policy pays per round (cal_live_policy_seconds).
 Since trace format 11 a last run decodes K = 0 again without the stand-in, as a rule or a static K = 0 runs it: the
 single-token round's fit takes those rounds, and what the probe and the choice cost the round after them (its host
@@ -40,7 +41,7 @@ from engine.cost.drafter_cost import DRAFT_RULES
 from engine.drafting.acceptance import AcceptanceModel
 from engine.runtime.action_grid import ActionGrid
 from engine.runtime.engine import Engine
-from engine.runtime.frozen import stand_in_policy
+from engine.runtime.frozen import STAND_IN_HIDDEN, stand_in_policy
 from engine.spec.calibration import IsotonicCalibration
 from engine.spec.config import SpecConfig
 from engine.spec.sampling import SamplingParams
@@ -83,12 +84,14 @@ def host_actions(kmax: int, widths: list[int]) -> list[SpecConfig]:
 class HostCalibrator:
     """Times the host work of live rounds for one recording's models (module docstring)."""
 
-    def __init__(self, target: Any, drafter: Any, kmax: int, widths: list[int], eos_token_id: int | None) -> None:
+    def __init__(self, target: Any, drafter: Any, kmax: int, widths: list[int], eos_token_id: int | None,
+                 hidden: tuple[int, ...] = STAND_IN_HIDDEN) -> None:  # fmt: skip
         self.base = Engine(target, instrument=False)  # plain decoding as a deployment runs it: no routing records
         self.spec = Engine(target, drafter=drafter)  # a policy observes the footprint: instrumented, as deployed
         self.actions = host_actions(kmax, widths)
         self.kmax, self.width = kmax, max(widths)  # the probe's tree, as the recorder's (env.request_recorder)
-        self.chooser = stand_in_policy(ActionGrid(depths=tuple(range(kmax + 1)), widths=tuple(widths)),
+        # the stand-in has the learned actor's hidden layers (`hidden`: RecordConf.policy_hidden)
+        self.chooser = stand_in_policy(ActionGrid(depths=tuple(range(kmax + 1)), widths=tuple(widths)), hidden,
                                        probe=(kmax, max(widths)), calibration=identity_calibration(kmax))  # fmt: skip
         self.eos = eos_token_id
         self._warm = False

@@ -37,6 +37,7 @@ import torch
 from engine.drafting.ngram import NGramDrafter
 from engine.drafting.protocol import MAX_TREE_NODES
 from engine.paths import cache_dir
+from engine.runtime.frozen import STAND_IN_HIDDEN
 from engine.spec.config import MAX_DEPTH, MAX_WIDTH
 from engine.spec.sampling import SamplingParams
 from engine.workloads import encode, workload
@@ -85,6 +86,9 @@ class RecordConf:
     max_prompt_tokens: int = 128
     eos: bool = True  # stop a request at the tokenizer's end-of-text token (id 0 in the zoo)
     calibrate_every: int = 8  # 0: no calibration samples (no fitted cost model)
+    # the hidden layers of the stand-in whose choice the timed live rounds pay (env.host_calibration): the learned
+    # actor's (`algo.net_arch` of the main job), so the measured cost prices the choice of the policy it trains
+    policy_hidden: list[int] = field(default_factory=lambda: list(STAND_IN_HIDDEN))
     workload: WorkloadConf = field(default_factory=WorkloadConf)
     sampling: SamplingConf = field(default_factory=SamplingConf)
     out: str | None = None  # a trace path; None: the cache (engine.paths.cache_dir()/traces)
@@ -101,6 +105,9 @@ def check_conf(conf: RecordConf) -> None:
         raise ValueError(f"widths must be distinct ints in 1..{MAX_WIDTH}, got {ws}")
     if conf.kmax * max(ws) > MAX_TREE_NODES:
         raise ValueError(f"kmax * max(widths) = {conf.kmax * max(ws)} exceeds the drafter's {MAX_TREE_NODES} nodes")
+    hidden = list(conf.policy_hidden)
+    if not hidden or any(not isinstance(h, int) or h < 1 for h in hidden):
+        raise ValueError(f"policy_hidden must be a non-empty list of positive layer widths, got {hidden}")
     if conf.max_new_tokens < 1 or conf.max_prompt_tokens < 2:
         raise ValueError("max_new_tokens must be >= 1 and max_prompt_tokens >= 2")
     s = conf.sampling
@@ -140,6 +147,8 @@ def trace_key(conf: RecordConf, info: ModelInfo, prompts: list[list[int]]) -> st
         "sampling": asdict(conf.sampling) if conf.sampling.temperature > 0 else {"temperature": 0.0},
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
     }
+    if conf.calibrate_every > 0 and tuple(conf.policy_hidden) != STAND_IN_HIDDEN:  # the default keys as before
+        blob["policy_hidden"] = list(conf.policy_hidden)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -248,7 +257,7 @@ def record(
         )
         part = RequestRecorder(target, drafter, conf, prompt_ids[i], params, eos, lam_record, seed).run(on_position)
         if conf.calibrate_every > 0:
-            host = host or HostCalibrator(target, drafter, conf.kmax, list(conf.widths), eos)
+            host = host or HostCalibrator(target, drafter, conf.kmax, list(conf.widths), eos, tuple(conf.policy_hidden))
             part.update(host.run(prompt_ids[i], conf.max_new_tokens, params))
         else:
             part.update(HostCalibrator.empty())

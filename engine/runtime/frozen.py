@@ -293,9 +293,12 @@ class FrozenActor(torch.nn.Module):
         return self.action_net(self.policy_net(x))
 
 
+STAND_IN_HIDDEN = (64, 64)  # the main job's actor (ctrl.config.AlgoConf.net_arch's default)
+
+
 def stand_in_policy(
     grid: ActionGrid,
-    hidden: tuple[int, ...] = (64, 64),
+    hidden: tuple[int, ...] = STAND_IN_HIDDEN,
     probe: tuple[int, int] | None = None,
     calibration: IsotonicCalibration | None = None,
     seed: int = 0,

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import engine
-from env.record import RecordConf, SamplingConf, WorkloadConf, record
+from env.host_calibration import HostCalibrator
+from env.models import ModelInfo
+from env.record import RecordConf, SamplingConf, WorkloadConf, record, trace_key
 from env.trace import load_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +75,25 @@ def test_bad_input_fails_before_work(zoo_models, tmp_path):
         record(RecordConf(sampling=SamplingConf(temperature=0.7, mode="generator")), models=zoo_models)
     with pytest.raises(ValueError, match="widths"):
         record(RecordConf(widths=[0]), models=zoo_models)
+    with pytest.raises(ValueError, match="policy_hidden"):
+        record(RecordConf(policy_hidden=[64, 0]), models=zoo_models)
+
+
+def test_the_stand_in_has_the_learned_actors_layers(zoo_models):
+    """The timed live rounds pay the choice of a stand-in with `policy_hidden` layers (the main job's
+    `algo.net_arch`); another shape is another trace, the default keys as before."""
+    target, drafter = zoo_models[0], zoo_models[1]
+    for hidden in [(64, 64), (128, 32, 16)]:
+        host = HostCalibrator(target, drafter, 4, [1, 2], 0, hidden)
+        assert [w.shape[0] for w, _ in host.chooser._mlp.hidden] == list(hidden)
+    info = ModelInfo("t", "a", "d", None, "b", None, None)
+    prompts = [[1, 2, 3]]
+    base = trace_key(RecordConf(), info, prompts)
+    assert trace_key(RecordConf(policy_hidden=[64, 64]), info, prompts) == base
+    assert trace_key(RecordConf(policy_hidden=[128, 128]), info, prompts) != base
+    # without timed live rounds the stand-in prices nothing: the same trace
+    off = trace_key(RecordConf(calibrate_every=0), info, prompts)
+    assert trace_key(RecordConf(calibrate_every=0, policy_hidden=[128, 128]), info, prompts) == off
 
 
 def test_fastchat_jsonl_workload(zoo_models, tmp_path):
