@@ -307,16 +307,18 @@ def test_a_request_whose_step_raises_fails_alone(zoo):
         # step is a batched one, whatever the threads' timing
         _wait_for(lambda: arrived() >= k, f"request {k} of {len(order)} to be queued")
         i = order[k]
-        if k == len(order) - 1:
-            threading.Thread(target=lambda: (_wait_for(lambda: arrived() == len(order), "all requests"),
-                                             gate.set())).start()  # fmt: skip
         if i == len(bodies):
             return _complete(url, **culprit)
         return _stream_ids(url, bodies[i]) if i % 2 else _complete(url, **bodies[i])
 
-    with _server(sched) as url, ThreadPoolExecutor(len(bodies) + 1) as pool:
+    def open_gate() -> None:
+        _wait_for(lambda: arrived() == len(order), "all requests")
+        gate.set()
+
+    with _server(sched) as url, ThreadPoolExecutor(len(bodies) + 2) as pool:
+        opened = pool.submit(open_gate)
         results = dict(zip(order, pool.map(call, range(len(order)))))
-        assert gate.is_set()
+        opened.result()  # the gate opened once every request was queued
         bad = results.pop(len(bodies))
         assert bad.status_code == 500, bad.text
         assert "generation failed for this request" in bad.json()["error"]["message"]
