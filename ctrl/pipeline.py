@@ -132,6 +132,9 @@ def _check_algo(a: Any) -> None:
     if not 0 < a.tau <= 1 or a.action_noise < 0 or a.learning_rate <= 0:
         raise ValueError(f"algo.tau must be in (0, 1], algo.action_noise >= 0 and algo.learning_rate > 0; got "
                          f"{a.tau}, {a.action_noise}, {a.learning_rate}")  # fmt: skip
+    from env.record import check_layer_widths
+
+    check_layer_widths(a.net_arch, "algo.net_arch")  # the actor's, and the stand-in's whose choice is priced
     try:
         hold_of(a)
     except ValueError as err:

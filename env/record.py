@@ -96,6 +96,14 @@ class RecordConf:
     threads: int = 1
 
 
+def check_layer_widths(hidden: Sequence[int], option: str) -> None:
+    """ValueError naming `option` unless `hidden` is a non-empty list of positive layer widths (an actor's hidden
+    layers: the stand-in's, RecordConf.policy_hidden, are the learned actor's, `algo.net_arch`)."""
+    widths = list(hidden)
+    if not widths or any(not isinstance(h, int) or h < 1 for h in widths):
+        raise ValueError(f"{option} must be a non-empty list of positive layer widths, got {widths}")
+
+
 def check_conf(conf: RecordConf) -> None:
     """ValueError for a grid or sampling the recorder cannot serve, before any model is loaded."""
     if not 1 <= conf.kmax <= min(MAX_DEPTH, 8):
@@ -105,9 +113,7 @@ def check_conf(conf: RecordConf) -> None:
         raise ValueError(f"widths must be distinct ints in 1..{MAX_WIDTH}, got {ws}")
     if conf.kmax * max(ws) > MAX_TREE_NODES:
         raise ValueError(f"kmax * max(widths) = {conf.kmax * max(ws)} exceeds the drafter's {MAX_TREE_NODES} nodes")
-    hidden = list(conf.policy_hidden)
-    if not hidden or any(not isinstance(h, int) or h < 1 for h in hidden):
-        raise ValueError(f"policy_hidden must be a non-empty list of positive layer widths, got {hidden}")
+    check_layer_widths(conf.policy_hidden, "policy_hidden")
     if conf.max_new_tokens < 1 or conf.max_prompt_tokens < 2:
         raise ValueError("max_new_tokens must be >= 1 and max_prompt_tokens >= 2")
     s = conf.sampling

@@ -669,7 +669,7 @@ def test_bad_configuration_fails_before_any_work(tmp_path):
         check_conf(conf)
     for field, value, match in [("vec_env", "threads", "algo.vec_env"), ("buffer_size", 0, "algo.buffer_size"),
                                 ("eval_every", -1, "algo.eval_every"), ("tau", 2.0, "algo.tau"),
-                                ("name", "dqn", "algo.name"),
+                                ("name", "dqn", "algo.name"), ("net_arch", [64, 0], "algo.net_arch"),
                                 ("gradient_steps", 0, "algo.gradient_steps")]:  # fmt: skip
         conf = MainConf()
         setattr(conf.algo, field, value)
