@@ -108,6 +108,11 @@ def check_conf(conf: MainConf) -> None:
         if fp.grid != grid:
             raise ValueError(f"policy_path={conf.policy_path}: the policy acts on the grid {fp.grid.to_dict()}, but "
                              f"this evaluation's grid is {grid.to_dict()}; set grid.* to match")  # fmt: skip
+        widths, timed = list(fp.hidden_widths), any(c.kind == "fitted" for c in conf.costs)  # a stand-in timed
+        if conf.algo.price_choice and timed and widths != list(conf.algo.net_arch):
+            raise ValueError(f"policy_path={conf.policy_path}: its actor's hidden layers are {widths}, but the "
+                             f"recording prices the choice of a stand-in of algo.net_arch={list(conf.algo.net_arch)}; "
+                             f"set algo.net_arch=[{','.join(map(str, widths))}]")  # fmt: skip
 
 
 def _check_algo(a: Any) -> None:

@@ -91,6 +91,13 @@ class FrozenPolicy:
         if self._native is not None and own:
             self._native.set_plain(self.plain_index)
 
+    @property
+    def hidden_widths(self) -> tuple[int, ...]:
+        """The actor's hidden layer widths (the `policy_net` Linear layers' output sizes), e.g. (64, 64)."""
+        sd = self.module.state_dict()
+        ids = sorted({int(k.split(".")[1]) for k in sd if k.startswith("policy_net.") and k.endswith(".weight")})
+        return tuple(int(sd[f"policy_net.{i}.weight"].shape[0]) for i in ids)
+
     def act_index(self, vector: np.ndarray | list[float]) -> tuple[int, ...]:
         """Observation vector [OBS_DIM] (or its values, `observation_values`) -> action indices (argmax per
         MultiDiscrete dimension); plain decoding's where the probe proposed nothing (`unproposed`)."""

@@ -3,6 +3,7 @@ W&B tracking modes, Hydra composition, and clear errors before any work."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -688,6 +689,20 @@ def test_policy_from_another_action_grid_is_refused(trained):
     conf.policy_path = str(path)
     with pytest.raises(ValueError, match="acts on the grid"):
         check_conf(conf)
+
+
+def test_policy_with_another_actor_width_is_refused(trained):
+    """The recording prices the choice of a stand-in of `algo.net_arch`'s shape: a given policy of another width
+    would be priced a choice that is not its own, so the evaluation names the option to set before any work."""
+    conf, _, _, path, _ = trained
+    conf = copy.deepcopy(conf)
+    conf.policy_path = str(path)
+    check_conf(conf)  # the policy's actor is the default [64, 64]: accepted
+    conf.algo.net_arch = [32]
+    with pytest.raises(ValueError, match=r"hidden layers are \[64, 64\].*set algo.net_arch=\[64,64\]"):
+        check_conf(conf)
+    conf.costs = [c for c in conf.costs if c.kind != "fitted"]  # the roofline prices any choice alike
+    check_conf(conf)
 
 
 def test_train_and_evaluate_entry_points(smoke_run):

@@ -27,6 +27,11 @@ def test_the_stand_in_always_picks_k0_through_the_cpp_actor():
     assert all(policy.act_vector(rng.uniform(0, 1, OBS_DIM)).depth == 0 for _ in range(20))
 
 
+def test_hidden_widths_reads_the_actors_layers():
+    assert stand_in_policy(GRID).hidden_widths == (64, 64)
+    assert stand_in_policy(GRID, hidden=(32, 16, 8)).hidden_widths == (32, 16, 8)
+
+
 def test_the_stand_in_needs_depth_0():
     with pytest.raises(ValueError, match="depth 0"):
         stand_in_policy(ActionGrid(depths=(2, 4), widths=(1,)))
