@@ -161,8 +161,11 @@ class EagleDrafter:
             return
         if target_hidden is None:
             raise ValueError("EagleDrafter.commit needs the target's features of the verified nodes")
-        rows = torch.tensor([0, *accepted[: len(new) - 1]], device=target_hidden.device)
-        seq.pending_features.append(target_hidden[rows])
+        kept = accepted[: len(new) - 1]
+        if kept == list(range(1, len(kept) + 1)):  # the root and a chain's first nodes (a K = 0 round: the root)
+            seq.pending_features.append(target_hidden[: len(kept) + 1].clone())  # a copy: the batch's buffer is freed
+        else:
+            seq.pending_features.append(target_hidden[torch.tensor([0, *kept], device=target_hidden.device)])
         seq.pending_tokens.extend(new)
         seq.length = len(tokens)
 
