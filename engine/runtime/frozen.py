@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -95,8 +95,7 @@ class FrozenPolicy:
     def hidden_widths(self) -> tuple[int, ...]:
         """The actor's hidden layer widths (the `policy_net` Linear layers' output sizes), e.g. (64, 64)."""
         sd = self.module.state_dict()
-        ids = sorted({int(k.split(".")[1]) for k in sd if k.startswith("policy_net.") and k.endswith(".weight")})
-        return tuple(int(sd[f"policy_net.{i}.weight"].shape[0]) for i in ids)
+        return tuple(int(sd[f"policy_net.{i}.weight"].shape[0]) for i in _linear_ids(sd))
 
     def act_index(self, vector: np.ndarray | list[float]) -> tuple[int, ...]:
         """Observation vector [OBS_DIM] (or its values, `observation_values`) -> action indices (argmax per
@@ -238,13 +237,17 @@ class _NumpyMLP:
     dims: int  # D, the action dimensions
 
 
+def _linear_ids(state_dict: Mapping[str, Any]) -> list[int]:
+    """The indices of the actor's hidden Linear layers in its `policy_net` (Sequential), in order."""
+    return sorted({int(k.split(".")[1]) for k in state_dict if k.startswith("policy_net.")})
+
+
 def _numpy_mlp(module: torch.jit.ScriptModule, mlp: dict | None, nvec: list[int]) -> _NumpyMLP | None:
     """The numpy twin of a plain tanh-MLP actor (ctrl.freeze's `mlp` card entry), or None for any other actor."""
     if not mlp or mlp.get("activation") != "tanh":
         return None
     sd = {k: v.detach().numpy().astype(np.float64) for k, v in module.state_dict().items()}
-    ids = sorted({int(k.split(".")[1]) for k in sd if k.startswith("policy_net.")})
-    layers = [(sd[f"policy_net.{i}.weight"], sd[f"policy_net.{i}.bias"]) for i in ids]
+    layers = [(sd[f"policy_net.{i}.weight"], sd[f"policy_net.{i}.bias"]) for i in _linear_ids(sd)]
     layers.append((sd["action_net.weight"], sd["action_net.bias"]))
     mean, std, clip = sd["mean"], sd["std"], float(mlp["clip"])
     w0, b0 = layers[0]
