@@ -56,6 +56,17 @@ from engine.spec.config import NO_SPEC, SpecConfig
 from engine.spec.sampling import SamplingParams, make_generator
 
 
+def _held_round(r: Any) -> SpecConfig:
+    """Count down a request's hold (`r.held` > 0) and return the plain action that started it."""
+    r.held -= 1
+    return r.held_spec
+
+
+def _start_hold(r: Any, hold: Hold, spec: SpecConfig, probe: list[float]) -> None:
+    """After the choice of plain decoding `spec` with this round's probe values, hold it if `hold` says so."""
+    r.held, r.held_spec = hold.held(0, probe), spec
+
+
 def _unhold(held: list[tuple[Any, int, SpecConfig | None]]) -> None:
     """Put the requests' holds back as they were before a failed step's choice."""
     for r, n, spec in held:
@@ -253,8 +264,7 @@ class Session:
         hold = self._hold
         for r in active:
             if r.held:  # a held round: plain decoding, neither probed nor asked (engine.runtime.hold)
-                r.held -= 1
-                specs.append(r.held_spec)
+                specs.append(_held_round(r))
                 continue
             t0 = clock()
             if fused is not None:
@@ -279,7 +289,7 @@ class Session:
             specs.append(spec)
             seconds[r.index] = clock() - t0 - probed.get(r.index, 0.0)
             if hold and spec.depth == 0:
-                r.held, r.held_spec = hold.held(0, probe), spec
+                _start_hold(r, hold, spec, probe)
         return specs
 
     def check_action(self, action: Any) -> SpecConfig:
@@ -299,8 +309,7 @@ class Session:
             specs = []
             for r in active:  # the controller's cost per request-round: RoundStats.policy_seconds (the probe apart)
                 if r.held:  # a held round (engine.runtime.hold)
-                    r.held -= 1
-                    specs.append(r.held_spec)
+                    specs.append(_held_round(r))
                     continue
                 t0 = time.perf_counter()
                 shape = self._probe_shape
@@ -308,7 +317,7 @@ class Session:
                 specs.append(self.check_action(self._decide(r, probe)))
                 self._policy_seconds[r.index] = time.perf_counter() - t0 - self._probe_seconds.get(r.index, 0.0)
                 if self._hold and specs[-1].depth == 0:
-                    r.held, r.held_spec = self._hold.held(0, probe), specs[-1]
+                    _start_hold(r, self._hold, specs[-1], probe)
             return active, specs
         if isinstance(actions, Mapping):
             ids = set(self.active)
